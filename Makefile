@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+# The CPU build keeps the environment small; on a GPU server use e.g. TORCH_SPEC="torch".
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: demo test smoke lint bench clean-runs
+
+$(BIN)/opus: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(BIN)/opus
+	$(BIN)/opus run pipelines/k3.yaml
+
+smoke: $(BIN)/opus
+	$(BIN)/opus run pipelines/smoke.yaml
+
+test: $(BIN)/opus
+	$(BIN)/python -m pytest
+
+lint: $(BIN)/opus
+	$(BIN)/ruff check opus stages tests examples bench
+
+bench: $(BIN)/opus
+	$(BIN)/python bench/demo.py
+
+clean-runs:
+	rm -rf runs/*/

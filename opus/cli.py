@@ -1,0 +1,131 @@
+"""``opus`` command line. Exit codes: 0 finished, 2 invalid input, 3 run failed or aborted, 130 stopped."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from opus.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED, InputError, OpusError
+
+STATUS_EXIT = {"finished": EXIT_OK, "aborted": EXIT_RUN_FAILED, "interrupted": EXIT_INTERRUPTED}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opus", description="Overnight optimizer for PyTorch LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a pipeline (resumes when --run-dir holds an earlier run)")
+    run.add_argument("pipeline", type=Path)
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override any value for this run, e.g. stages.quantize.with.alpha=0.6")
+    run.add_argument("--run-dir", type=Path, help="run directory (default: RUNS_DIR/<name>-<time>)")
+    run.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    run.add_argument("--quiet", action="store_true")
+    resume = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
+    resume.add_argument("run_dir", type=Path)
+    resume.add_argument("--quiet", action="store_true")
+    status = sub.add_parser("status", help="where a run stands")
+    status.add_argument("run_dir", type=Path)
+    runs = sub.add_parser("runs", help="list runs")
+    runs.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    sub.add_parser("doctor", help="what this machine can do: torch, CUDA, kernels, onnxruntime, disk, git")
+    sub.add_parser("stages", help="list the installed stage types")
+    check = sub.add_parser("check", help="validate a pipeline without running it")
+    check.add_argument("pipeline", type=Path)
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def _execute(loaded: Any, run_dir: Path, quiet: bool) -> int:
+    from opus.console import RunDisplay
+    from opus.runner import Runner
+
+    runner = Runner(loaded, run_dir, RunDisplay(quiet=quiet))  # validates before anything runs
+    with runner.display:
+        runner.display.line(f"run {run_dir}  ({loaded.spec.name}, {len(loaded.spec.stages)} stages)")
+        summary = runner.run()
+    _print_outcome(summary, run_dir)
+    return STATUS_EXIT.get(summary["status"], EXIT_RUN_FAILED)
+
+
+def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
+    from opus.console import headline
+
+    print(f"{summary['status']}: {run_dir / 'summary.json'}")
+    if summary.get("error"):
+        print(f"  {summary['error']}")
+    if summary["baseline"]:
+        print(f"  baseline  {headline(summary['baseline'])}")
+    if summary["final_stage"]:
+        ratios = "  ".join(f"{k} ×{v:.3f}" for k, v in summary["ratios"].items())
+        print(f"  final     {headline(summary['final'])}   ({summary['final_stage']}; {ratios})")
+    for rb in summary["rollbacks"]:
+        print(f"  rollback  {rb['stage']} attempt {rb['attempt']}: {rb['reason']} → {rb['action']}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from opus.spec import load_pipeline
+
+    loaded = load_pipeline(args.pipeline, args.overrides)
+    run_dir = args.run_dir or args.runs_dir / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _execute(loaded, run_dir, args.quiet)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from opus.atomic import read_json
+    from opus.runner import PIPELINE_FILE, RUN_FILE
+    from opus.spec import load_pipeline
+
+    run_file = args.run_dir / RUN_FILE
+    if not run_file.is_file():
+        raise InputError("not a run directory (no run.json)", file=str(args.run_dir))
+    info = read_json(run_file)
+    loaded = load_pipeline(args.run_dir / PIPELINE_FILE, base_dir=Path(info["base_dir"]))
+    return _execute(loaded, args.run_dir, args.quiet)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from opus.graph import execution_order, validate
+    from opus.spec import load_pipeline
+
+    loaded = load_pipeline(args.pipeline, args.overrides)
+    graph, _ = validate(loaded)
+    print(f"{args.pipeline}: valid; stages in order: {' → '.join(execution_order(graph))}")
+    return EXIT_OK
+
+
+def cmd_stages(_: argparse.Namespace) -> int:
+    from opus.registry import known_stage_types, load_stage_type
+
+    for name, target in sorted(known_stage_types().items()):
+        doc = (load_stage_type(name).module.__doc__ or "").strip().splitlines()
+        print(f"{name:<12} {target:<24} {doc[0] if doc else ''}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # SIGTERM (a scheduler, a shutdown) stops as cleanly as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    from opus import doctor, inspect_runs
+
+    commands = {"run": cmd_run, "resume": cmd_resume, "status": inspect_runs.cmd_status,
+                "runs": inspect_runs.cmd_runs, "doctor": doctor.cmd_doctor, "stages": cmd_stages,
+                "check": cmd_check}
+    try:
+        return commands[args.command](args)
+    except OpusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Errors that the CLI turns into one-line messages and exit codes, never tracebacks."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+EXIT_RUN_FAILED = 3
+EXIT_INTERRUPTED = 130
+
+
+class OpusError(Exception):
+    """Base class; ``exit_code`` is what the CLI returns."""
+
+    exit_code = EXIT_RUN_FAILED
+
+
+class InputError(OpusError):
+    """Bad user input: the message names the file, line and key."""
+
+    exit_code = EXIT_INVALID
+
+    def __init__(self, message: str, file: str | None = None, line: int | None = None,
+                 key: str | None = None) -> None:
+        self.file, self.line, self.key = file, line, key
+        where = file or ""
+        if file and line:
+            where = f"{file}:{line}"
+        prefix = ": ".join(p for p in (where, key) if p)
+        super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+class RunLockedError(OpusError):
+    """Another process holds the run directory."""
+
+    exit_code = EXIT_INVALID
+
+
+class RunFailed(OpusError):
+    """The run stopped: a stage failed and its policy said abort, or it could not continue."""
+
+    exit_code = EXIT_RUN_FAILED

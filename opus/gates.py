@@ -1,0 +1,69 @@
+"""Gates: thresholds on any metric a stage reports, absolute or relative to this run's baseline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opus.spec import Threshold
+
+# Short names users write in YAML -> the metric keys stages report.
+ALIASES = {
+    "throughput": "throughput_tok_s",
+    "p": "throughput_tok_s",
+    "ttft": "ttft_ms",
+    "d": "ttft_ms",
+    "memory": "peak_mem_mb",
+    "ppl": "perplexity",
+}
+
+RELATIVE_BOUNDS = {"min_ratio", "max_ratio", "max_increase", "max_decrease"}
+
+
+def metric_key(name: str) -> str:
+    return ALIASES.get(name.lower(), name)
+
+
+def _passes(bound: str, limit: float, value: float, base: float | None) -> tuple[bool, float]:
+    """Return (passed, the compared quantity) for one bound."""
+    if bound == "min":
+        return value >= limit, value
+    if bound == "max":
+        return value <= limit, value
+    ratio = value / base if base else float("inf")
+    if bound == "min_ratio":
+        return ratio >= limit, ratio
+    if bound == "max_ratio":
+        return ratio <= limit, ratio
+    change = ratio - 1.0
+    if bound == "max_increase":
+        return change <= limit, change
+    return -change <= limit, -change  # max_decrease
+
+
+def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
+               baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """Evaluate every bound; the verdict lists each check with threshold, measured and baseline."""
+    checks: list[dict[str, Any]] = []
+    for name, threshold in gate.items():
+        key = metric_key(name)
+        value = metrics.get(key)
+        for bound, limit in threshold.model_dump(exclude_none=True).items():
+            check = {"metric": key, "bound": bound, "threshold": limit, "measured": value}
+            base = (baseline or {}).get(key)
+            if bound in RELATIVE_BOUNDS:
+                check["baseline"] = base
+            if not isinstance(value, (int, float)):
+                check.update(passed=False, reason=f"the stage did not report '{key}'")
+            elif bound in RELATIVE_BOUNDS and not isinstance(base, (int, float)):
+                check.update(passed=False, reason=f"no baseline value of '{key}' in this run")
+            else:
+                passed, compared = _passes(bound, float(limit), float(value), base)
+                check.update(passed=passed, compared=compared)
+                if not passed:
+                    check["reason"] = f"{key} {bound} {limit}: measured {compared:.4g}"
+            checks.append(check)
+    return {"passed": all(c["passed"] for c in checks), "checks": checks}
+
+
+def first_failure(verdict: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in verdict["checks"] if not c["passed"]), None)

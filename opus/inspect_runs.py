@@ -1,0 +1,73 @@
+"""``opus status`` and ``opus runs``: read a run directory without touching it."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from opus.atomic import read_json
+from opus.errors import EXIT_OK, InputError
+from opus.events import EventLog
+
+
+def is_running(run_dir: Path) -> bool:
+    """True while some process holds the run's lock."""
+    path = run_dir / ".lock"
+    if not path.is_file():
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def run_state(run_dir: Path) -> dict[str, Any]:
+    """Status and per-stage outcome, from summary.json or, mid-run, from the event log."""
+    summary_path = run_dir / "summary.json"
+    events = EventLog(run_dir).read()
+    if not (run_dir / "run.json").is_file():
+        raise InputError("not a run directory (no run.json)", file=str(run_dir))
+    stages: dict[str, str] = {}
+    for event in events:
+        name = event["event"]
+        if name.startswith("stage_") and "stage" in event:
+            stages[event["stage"]] = name.removeprefix("stage_")
+        elif name == "rollback":
+            stages[event["stage"]] = f"rolled back ({event['reason']})"
+    summary = read_json(summary_path) if summary_path.is_file() else None
+    status = "running" if is_running(run_dir) else (summary or {}).get("status", "stopped (resumable)")
+    last = events[-1]["time"] if events else None
+    return {"status": status, "stages": stages, "summary": summary, "last_event": last}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = run_state(args.run_dir)
+    print(f"{args.run_dir}: {state['status']}")
+    if state["last_event"]:
+        print(f"  last event {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state['last_event']))}")
+    for stage, outcome in state["stages"].items():
+        print(f"  {stage:<20} {outcome}")
+    summary = state["summary"]
+    if summary and summary.get("ratios"):
+        print("  vs baseline: " + "  ".join(f"{k} ×{v:.3f}" for k, v in summary["ratios"].items()))
+    return EXIT_OK
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    runs = sorted(p for p in args.runs_dir.glob("*") if (p / "run.json").is_file())
+    if not runs:
+        print(f"no runs in {args.runs_dir}")
+    for run_dir in runs:
+        state = run_state(run_dir)
+        ratios = (state["summary"] or {}).get("ratios", {})
+        shown = "  ".join(f"{k.split('_')[0]} ×{v:.2f}" for k, v in ratios.items())
+        print(f"{run_dir.name:<40} {state['status']:<20} {shown}")
+    return EXIT_OK

@@ -1,0 +1,76 @@
+"""Stage types: found through the entry-point group ``opus.stages`` or given as a dotted module path.
+
+A stage type is a module with a pydantic ``Config``, an entry function ``run(ctx, cfg)``, a
+``VERSION`` string and, optionally, ``remedy(cfg, failure)`` that proposes a new config after a
+failed gate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from types import ModuleType
+
+from pydantic import BaseModel
+
+ENTRY_POINT_GROUP = "opus.stages"
+
+
+class UnknownStageType(LookupError):
+    pass
+
+
+@dataclass(frozen=True)
+class StageType:
+    name: str
+    module: ModuleType
+
+    @property
+    def config_class(self) -> type[BaseModel]:
+        return self.module.Config
+
+    @property
+    def code_version(self) -> str:
+        """The declared VERSION plus a hash of the module's source: an edit re-runs the stage."""
+        source = inspect.getsource(self.module)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        return f"{getattr(self.module, 'VERSION', '0')}+{digest}"
+
+    def remedy(self, cfg: BaseModel, failure: dict) -> BaseModel | None:
+        fn = getattr(self.module, "remedy", None)
+        return fn(cfg, failure) if fn else None
+
+    @property
+    def has_remedy(self) -> bool:
+        return hasattr(self.module, "remedy")
+
+
+def known_stage_types() -> dict[str, str]:
+    """Registered names -> module paths."""
+    return {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _check_module(name: str, module: ModuleType) -> None:
+    missing = [attr for attr in ("Config", "run") if not hasattr(module, attr)]
+    if missing:
+        raise UnknownStageType(f"stage type '{name}' ({module.__name__}) lacks {', '.join(missing)}")
+
+
+def load_stage_type(name: str) -> StageType:
+    """Resolve ``uses``: a registered name, or a dotted module path for unpackaged stages."""
+    registered = known_stage_types()
+    if name in registered:
+        module = importlib.import_module(registered[name].split(":")[0])
+    elif "." in name:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            raise UnknownStageType(f"cannot import stage module '{name}': {exc}") from None
+    else:
+        known = ", ".join(sorted(registered)) or "none installed"
+        raise UnknownStageType(f"unknown stage type '{name}' (known: {known})")
+    _check_module(name, module)
+    return StageType(name=name, module=module)

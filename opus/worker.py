@@ -1,0 +1,116 @@
+"""Runs one stage attempt in its own process: ``python -m opus.worker JOB.json PROGRESS_FD``.
+
+The runner supervises this process (heartbeats, time limits) and never holds a model itself, so a
+stage that crashes, is killed for memory or hangs cannot take the run down with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from opus.atomic import write_json
+from opus.checkpoint import DiskSpaceError, write_checkpoint
+from opus.registry import load_stage_type
+from opus.spec import load_pipeline
+from opus.stage import StageContext, StageResult, UpstreamStage
+from opus.state import changed_tensors, read_state
+
+EXIT_CRASH = 1
+EXIT_DISK = 4
+ERROR_FILE = "error.json"
+
+
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the runner dies, so no orphan keeps writing into the run directory."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _channel(fd: int):  # noqa: ANN202
+    stream = os.fdopen(fd, "w", buffering=1)
+
+    def report(message: dict[str, Any]) -> None:
+        try:
+            stream.write(json.dumps(message, default=str) + "\n")
+        except (BrokenPipeError, ValueError):
+            pass
+
+    return report
+
+
+def _jsonable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in metrics.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        out[key] = value
+    return out
+
+
+def _finish(ctx: StageContext, job: dict[str, Any], result: StageResult, started: float) -> None:
+    incoming = Path(job["incoming"]) if job["incoming"] else None
+    record = {
+        "status": "done", "metrics": _jsonable_metrics(result.metrics), "baseline": result.baseline,
+        "info": result.info, "attempt": job["attempt"], "config": job["config"],
+        "remedy": job.get("remedy"), "duration_s": round(time.monotonic() - started, 3),
+    }
+    common = dict(key=job["key"], stage_id=job["stage_id"], uses=job["uses"], result=record,
+                  reserve_mb=ctx.spec.run.min_free_disk_mb)
+    if result.model is None:
+        state = read_state(incoming, ctx.spec)
+        write_checkpoint(ctx.out_dir, state=state, inherit_tensors_from=incoming, **common)
+        return
+    loaded = ctx._loaded
+    marks = loaded.base_marks if loaded is not None else {}
+    prior = loaded.state if loaded is not None else read_state(incoming, ctx.spec)
+    tensors, aliases = changed_tensors(result.model, marks)
+    state = {"source": prior["source"], "recipe": list(prior["recipe"]) + list(result.recipe),
+             "aliases": aliases}
+    write_checkpoint(ctx.out_dir, state=state, tensors=tensors, **common)
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    job = json.loads(Path(argv[0]).read_text())
+    report = _channel(int(argv[1]))
+    out_dir = Path(job["out_dir"])
+    started = time.monotonic()
+    try:
+        loaded = load_pipeline(job["pipeline"], base_dir=Path(job["base_dir"]), check_paths=False)
+        stage_type = load_stage_type(job["uses"])
+        cfg = stage_type.config_class.model_validate(job["config"])
+        upstream = {u["id"]: UpstreamStage(**{**u, "dir": Path(u["dir"])}) for u in job["upstream"]}
+        ctx = StageContext(
+            run_dir=Path(job["run_dir"]), stage_id=job["stage_id"], uses=job["uses"], spec=loaded.spec,
+            base_dir=Path(job["base_dir"]), upstream=upstream,
+            incoming=Path(job["incoming"]) if job["incoming"] else None, out_dir=out_dir,
+            attempt=job["attempt"], remedy=job.get("remedy"), report=report)
+        result = stage_type.module.run(ctx, cfg)
+        if not isinstance(result, StageResult):
+            raise TypeError(f"stage type '{job['uses']}' returned {type(result).__name__}, not StageResult")
+        report({"t": "progress", "done": 1, "total": 1, "what": "writing checkpoint"})
+        _finish(ctx, job, result, started)
+        return 0
+    except DiskSpaceError as exc:
+        write_json(out_dir / ERROR_FILE, {"kind": "disk", "message": str(exc)})
+        return EXIT_DISK
+    except Exception as exc:  # noqa: BLE001 - any stage failure is recorded, the run decides
+        traceback.print_exc()
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        write_json(out_dir / ERROR_FILE, {"kind": "crash", "message": message})
+        return EXIT_CRASH
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
