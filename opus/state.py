@@ -47,16 +47,21 @@ def load_base(spec: PipelineSpec, base_dir: Path) -> tuple[Any, Any]:
 
 
 def materialize(checkpoint: Path | None, spec: PipelineSpec, base_dir: Path) -> Materialized:
-    import torch
-    from safetensors.torch import load_file
-
     state = read_state(checkpoint, spec)
     model, tokenizer = load_base(spec, base_dir)
+    return apply_state(model, tokenizer, state, checkpoint, spec.model.device)
+
+
+def apply_state(model: Any, tokenizer: Any, state: dict[str, Any], tensors_dir: Path | None,
+                device: str) -> Materialized:
+    """Re-apply a state's recipe to a freshly loaded base model, then load its tensors from ``tensors_dir``."""
+    from safetensors.torch import load_file
+
     marks = _marks(model)
     for step in state["recipe"]:
         model = apply_step(model, step)
     if state.get("tensors"):
-        tensors = load_file(str(checkpoint / state["tensors"]), device=spec.model.device)
+        tensors = load_file(str(tensors_dir / state["tensors"]), device=device)
         for alias, target in state.get("aliases", {}).items():
             tensors[alias] = tensors[target]
         own = model.state_dict(keep_vars=True)
@@ -66,8 +71,8 @@ def materialize(checkpoint: Path | None, spec: PipelineSpec, base_dir: Path) -> 
             if own[name].shape != value.shape:
                 raise ValueError(f"checkpoint tensor '{name}' has shape {tuple(value.shape)}, "
                                  f"the model expects {tuple(own[name].shape)}")
-            with torch.no_grad():
-                own[name].copy_(value)
+        # load_state_dict (not a raw copy) so modules can re-derive kernel layouts in their hooks.
+        model.load_state_dict(tensors, strict=False)
     model.eval()
     return Materialized(model=model, tokenizer=tokenizer, state=state, base_marks=marks)
 

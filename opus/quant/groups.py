@@ -1,0 +1,66 @@
+"""Quantization groups: layers that must share a format (q/k/v; the experts of one layer)."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+EXPERT = re.compile(r"^(?P<layer>.*\.mlp)\.experts\.\d+\.(?P<proj>\w+)$")
+QKV = re.compile(r"^(?P<attn>.*\.self_attn)\.[qkv]_proj$")
+
+
+@dataclass
+class QGroup:
+    name: str
+    modules: list[str] = field(default_factory=list)
+    role: str = "other"
+
+
+def role_of(name: str) -> str:
+    if ".experts." in name or ".shared_expert." in name:
+        return "experts"
+    if name.endswith("mlp.gate") or name.endswith("shared_expert_gate"):
+        return "router"
+    if ".self_attn." in name:
+        return "attention"
+    if "lm_head" in name:
+        return "lm_head"
+    if ".mlp." in name:
+        return "mlp"
+    return "other"
+
+
+def _group_name(name: str) -> str:
+    if match := EXPERT.match(name):
+        proj = "gate_up" if match["proj"] in ("gate_proj", "up_proj") else match["proj"]
+        return f"{match['layer']}.experts.{proj}"
+    if match := QKV.match(name):
+        return f"{match['attn']}.qkv"
+    return name
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def tied_to_embedding(model: nn.Module, name: str) -> bool:
+    weight = model.get_submodule(name).weight
+    return any(isinstance(m, nn.Embedding) and m.weight is weight for m in model.modules())
+
+
+def build_groups(model: nn.Module, include: list[str], exclude: list[str]) -> list[QGroup]:
+    """All nn.Linear layers selected by the globs, grouped; tied embeddings are never quantized."""
+    groups: dict[str, QGroup] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if (include and not matches(name, include)) or matches(name, exclude):
+            continue
+        if tied_to_embedding(model, name):
+            continue
+        key = _group_name(name)
+        groups.setdefault(key, QGroup(key, role=role_of(name))).modules.append(name)
+    return list(groups.values())

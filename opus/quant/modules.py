@@ -1,0 +1,186 @@
+"""Quantized replacements for ``nn.Linear`` that run real low-precision kernels.
+
+Every module can be built empty from shapes (``empty``), so a checkpoint rebuilds the structure from
+its recipe and then loads the packed tensors; ``from_linear`` quantizes a float layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from opus.quant.kernels import fp8_rowwise, int4_groupwise, int8_per_channel, int8_per_tensor, int8_per_token
+
+
+class QuantLinear(nn.Module):
+    """Shared plumbing: shapes, optional float bias, flattening of leading dimensions."""
+
+    fmt = "float"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, format={self.fmt}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        y = self.matmul(flat)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, **options: object) -> QuantLinear:
+        return cls(in_features, out_features, bias, **options)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options: object) -> QuantLinear:
+        module = cls.empty(linear.in_features, linear.out_features, linear.bias is not None, **options)
+        module.load_weight(linear.weight.detach())
+        if linear.bias is not None and module.bias is not None:
+            module.bias.data.copy_(linear.bias.detach().float())
+        return module.to(linear.weight.device)
+
+    def load_weight(self, weight: torch.Tensor) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Int8WeightOnlyLinear(QuantLinear):
+    """W8A16: int8 weights per output channel, float activations; ``_weight_int8pack_mm`` on CPU."""
+
+    fmt = "w8a16"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features))
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        self.qweight, self.scale = int8_per_channel(weight)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            return torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+        # CUDA has no int8-weight GEMM in torch: convert in the GEMM's prologue (int8 storage).
+        return (x @ self.qweight.to(x.dtype).t()) * self.scale.to(x.dtype)
+
+
+class Int4WeightOnlyLinear(QuantLinear):
+    """W4A16: asymmetric int4 per group of input channels; tinygemm-style int4 GEMM."""
+
+    fmt = "w4a16"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int = 128) -> None:
+        super().__init__(in_features, out_features, bias)
+        if in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+        self.group_size = group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales_and_zeros", torch.zeros(in_features // group_size, out_features, 2))
+        self.register_buffer("_kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _: module.repack())
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        self.qweight, self.scales_and_zeros = int4_groupwise(weight, self.group_size)
+        self.repack()
+
+    def repack(self) -> None:
+        """Convert the portable nibble layout into the device kernel's layout."""
+        from opus.quant.kernels import unpack_int4
+
+        nibbles = unpack_int4(self.qweight)
+        if self.qweight.device.type == "cpu":
+            self._kernel_weight = torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+        else:
+            packed = ((nibbles[:, ::2] << 4) | nibbles[:, 1::2]).to(torch.uint8)
+            self._kernel_weight = torch._convert_weight_to_int4pack(packed, 8)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        out = super()._apply(fn, recurse)
+        if self._kernel_weight.device != self.qweight.device:
+            self.repack()
+        return out
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        sz = self.scales_and_zeros.to(x.dtype)
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._kernel_weight, self.group_size, sz)
+        return torch._weight_int4pack_mm(x.to(torch.bfloat16), self._kernel_weight, self.group_size,
+                                         sz.to(torch.bfloat16)).to(x.dtype)
+
+
+class Int8DynamicLinear(QuantLinear):
+    """W8A8: int8 per-channel weights, dynamic int8 activations (per token, or per tensor), int8 GEMM.
+
+    With SmoothQuant the activation outliers have already been migrated into the weights (folded
+    into the preceding norm), which is what makes per-token int8 activations accurate.
+    """
+
+    fmt = "w8a8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, per_token: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.per_token = per_token
+        if not per_token:
+            self.fmt = "w8a8_tensor"
+        # Stored [in, out] so the GEMM reads it contiguously.
+        self.register_buffer("qweight_t", torch.zeros(in_features, out_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(1, out_features))
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        q, scale = int8_per_channel(weight)
+        self.qweight_t, self.scale = q.t().contiguous(), scale.reshape(1, -1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        q, x_scale = int8_per_token(x) if self.per_token else int8_per_tensor(x)
+        acc = torch._int_mm(q, self.qweight_t)
+        return (acc.float() * (x_scale * self.scale)).to(x.dtype)
+
+
+class Fp8Linear(QuantLinear):
+    """FP8 E4M3 weights and rowwise-scaled activations through ``torch._scaled_mm`` (CUDA sm_89+)."""
+
+    fmt = "fp8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.ones(1, out_features))
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        q, scale = fp8_rowwise(weight)
+        self.qweight, self.scale = q, scale.reshape(1, -1)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        q, x_scale = fp8_rowwise(x)
+        return torch._scaled_mm(q, self.qweight.t(), scale_a=x_scale, scale_b=self.scale,
+                                out_dtype=torch.bfloat16).to(x.dtype)
+
+
+class CastLinear(nn.Linear):
+    """A float linear kept in another float dtype (bf16/fp16) inside an fp32 model."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str = "bfloat16") -> None:
+        super().__init__(in_features, out_features, bias, dtype=getattr(torch, dtype))
+        self.fmt = {"bfloat16": "bf16", "float16": "fp16"}[dtype]
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, **options: object) -> CastLinear:
+        return cls(in_features, out_features, bias, **options)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options: object) -> CastLinear:
+        module = cls.empty(linear.in_features, linear.out_features, linear.bias is not None, **options)
+        module.load_state_dict({k: v.to(module.weight.dtype) for k, v in linear.state_dict().items()})
+        return module.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype)).to(x.dtype)
+
+

@@ -1,0 +1,129 @@
+"""From a model and calibration text to a plan document: the mechanism behind the ``plan`` stage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from opus.quant.calibrate import ActivationStats
+from opus.quant.formats import FORMATS, check_format
+from opus.quant.groups import QGroup, build_groups, matches
+from opus.quant.planner import Candidate, GroupChoice, budget_limit, plan_document, solve
+from opus.quant.sensitivity import measure_sensitivity
+from opus.quant.smooth import apply_smoothing, smooth_groups
+from opus.quant.speed import KernelTimer, group_time_ms
+
+Progress = Callable[[float, float, str], None]
+ACT_FORMATS = ("w8a8", "w8a8_tensor", "fp8")
+
+
+@dataclass
+class PlanRequest:
+    formats: list[str]
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    force: dict[str, str] = field(default_factory=dict)
+    budget_kind: str = "ppl"
+    budget_value: float = 0.02
+    safety: float = 0.7
+    group_size: int = 128
+
+
+def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
+    usable = []
+    for fmt in formats:
+        try:
+            check_format(fmt, device)
+            usable.append(fmt)
+        except ValueError as exc:
+            notes.append(f"{fmt} not considered: {exc}")
+    return usable
+
+
+def _forced(group: QGroup, force: dict[str, str]) -> str | None:
+    for pattern, fmt in force.items():
+        if any(matches(m, [pattern]) for m in group.modules):
+            return fmt
+    return None
+
+
+def _cost(kind: str, fmt: str, params: int, dce: float | None) -> float:
+    if kind == "ppl":
+        return max(dce or 0.0, 0.0) if fmt != "fp32" else 0.0
+    bits = FORMATS[fmt].weight_bits
+    return params * bits / 8 if kind == "memory" else params * bits
+
+
+def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, request: PlanRequest,
+              workload: Any, progress: Progress | None = None) -> dict[str, Any]:
+    """Score every group in every format, time the kernels, solve the budget, explain each choice."""
+    device = str(next(model.parameters()).device)
+    dtype = next(model.parameters()).dtype
+    notes: list[str] = []
+    formats = usable_formats(request.formats, device, notes)
+    groups = build_groups(model, request.include, request.exclude)
+    forced = {g.name: _forced(g, request.force) for g in groups}
+    free = [g for g in groups if not forced[g.name]]
+    plain = [f for f in formats if f not in ACT_FORMATS]
+    act = [f for f in formats if f in ACT_FORMATS]
+    total = len(free) * len(formats)
+    scores = measure_sensitivity(model, free, plain, blocks, group_size=request.group_size, progress=progress,
+                                 total=total)
+    if act:  # activation formats are scored as they will run: after SmoothQuant (exact in float)
+        apply_smoothing(model, stats, smooth_groups(model))
+        more = measure_sensitivity(model, free, act, blocks, group_size=request.group_size, progress=progress,
+                                   done=len(free) * len(plain), total=total)
+        for name, by_fmt in more.items():
+            scores.setdefault(name, {}).update(by_fmt)
+    cfg = getattr(model, "config", None)
+    experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 0) or 0
+    timer = KernelTimer(device, dtype, request.group_size)
+    choices = []
+    for index, group in enumerate(groups):
+        linears = [model.get_submodule(m) for m in group.modules]
+        params = sum(lin.weight.numel() for lin in linears)
+        force = forced[group.name]
+        considered = ["fp32", force] if force else ["fp32", *formats]
+        times = {}
+        for fmt in dict.fromkeys(considered):
+            reason = next(filter(None, (FORMATS[fmt].unsupported(lin, request.group_size) for lin in linears)), None)
+            if reason:
+                if fmt == force:
+                    raise ValueError(f"rule forces {group.name} to {fmt}, but {reason}")
+                notes.append(f"{group.name}: {fmt} not possible: {reason}")
+                continue
+            if fmt == "fp32" or fmt == force or fmt in scores.get(group.name, {}):
+                times[fmt] = group_time_ms(timer, fmt, linears, group.role, workload, experts, top_k)
+        candidates = [Candidate(f, t, _cost(request.budget_kind, f, params,
+                                            scores.get(group.name, {}).get(f, {}).get("dce")),
+                                scores.get(group.name, {}).get(f, {}).get("dce"),
+                                scores.get(group.name, {}).get(f, {}).get("kl")) for f, t in times.items()]
+        choices.append(GroupChoice(group.name, group.role, group.modules, times["fp32"], candidates, force, params))
+        if progress:
+            progress(index + 1, len(groups), f"kernel timing {group.name}")
+    total_params = sum(c.params for c in choices)
+    value = request.budget_value * (request.safety if request.budget_kind == "ppl" else 1.0)
+    limit = budget_limit(request.budget_kind, value, total_params)
+    chosen = solve(choices, limit)
+    budget = {"kind": request.budget_kind, "value": request.budget_value, "safety": request.safety}
+    doc = plan_document(choices, chosen, budget, limit)
+    doc["notes"] = notes
+    doc["group_size"] = request.group_size
+    return doc
+
+
+def assignment_from_plan(doc: dict[str, Any]) -> dict[str, str]:
+    """Module name -> format, from a (possibly hand-edited) plan document."""
+    out: dict[str, str] = {}
+    for index, group in enumerate(doc.get("groups", [])):
+        fmt = group.get("format")
+        if fmt not in FORMATS:
+            raise ValueError(f"groups[{index}] ({group.get('name')}): unknown format '{fmt}' "
+                             f"(known: {', '.join(FORMATS)})")
+        for module in group.get("modules", []):
+            out[module] = fmt
+    return out

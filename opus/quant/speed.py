@@ -1,0 +1,81 @@
+"""Measured kernel speed of each format for each layer shape, on this machine, for the run's workload."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from opus.quant.formats import FORMATS
+
+MAX_ROWS = 2048  # larger row counts are timed at this size and scaled: GEMM time is linear in rows
+
+
+@dataclass(frozen=True)
+class Shape:
+    in_features: int
+    out_features: int
+    rows: int
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def time_kernel(fmt: str, shape: Shape, device: str, dtype: torch.dtype, group_size: int,
+                repeats: int = 7) -> float:
+    """Median milliseconds of one forward of a layer of ``shape`` in ``fmt``."""
+    rows = min(shape.rows, MAX_ROWS)
+    linear = nn.Linear(shape.in_features, shape.out_features, bias=False, device=device, dtype=dtype)
+    module = FORMATS[fmt].build(linear, group_size)
+    x = torch.randn(rows, shape.in_features, device=device, dtype=dtype)
+    for _ in range(2):
+        module(x)
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        module(x)
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e3 * shape.rows / rows
+
+
+class KernelTimer:
+    """Caches timings by (format, shape): many layers share a shape."""
+
+    def __init__(self, device: str, dtype: torch.dtype, group_size: int) -> None:
+        self.device, self.dtype, self.group_size = device, dtype, group_size
+        self.cache: dict[tuple[str, Shape], float] = {}
+
+    def __call__(self, fmt: str, shape: Shape) -> float:
+        key = (fmt, shape)
+        if key not in self.cache:
+            self.cache[key] = time_kernel(fmt, shape, self.device, self.dtype, self.group_size)
+        return self.cache[key]
+
+
+def workload_rows(role: str, workload: Any, experts: int, top_k: int) -> tuple[int, int]:
+    """Rows a layer sees in one prefill and in one decode step of the workload."""
+    prefill, decode = workload.batch_size * workload.input_len, workload.batch_size
+    if role == "experts" and experts:
+        prefill, decode = max(1, prefill * top_k // experts), max(1, decode * top_k // experts)
+    return prefill, decode
+
+
+def group_time_ms(timer: KernelTimer, fmt: str, linears: list[nn.Linear], role: str, workload: Any,
+                  experts: int, top_k: int) -> float:
+    """Time of the group's layers over the workload: one prefill plus output_len decode steps."""
+    prefill_rows, decode_rows = workload_rows(role, workload, experts, top_k)
+    total = 0.0
+    for linear in linears:
+        dims = (linear.in_features, linear.out_features)
+        total += timer(fmt, Shape(*dims, prefill_rows))
+        total += workload.output_len * timer(fmt, Shape(*dims, decode_rows))
+    return total

@@ -1,0 +1,99 @@
+"""plan: the mixed-precision planner — each layer group's format, score and reason, in plan.yaml."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from opus.data import load_blocks
+from opus.errors import InputError
+from opus.quant.calibrate import collect_stats
+from opus.quant.planning import PlanRequest, assignment_from_plan, make_plan
+from opus.stage import StageContext, StageResult
+
+VERSION = "1"
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_ppl_increase: float | None = Field(None, gt=0)
+    max_weight_mb: float | None = Field(None, gt=0)
+    max_avg_bits: float | None = Field(None, gt=0, le=32)
+
+    @model_validator(mode="after")
+    def _one(self) -> Budget:
+        given = [k for k, v in self.model_dump().items() if v is not None]
+        if len(given) > 1:
+            raise ValueError("give one budget: max_ppl_increase, max_weight_mb or max_avg_bits")
+        if not given:
+            self.max_ppl_increase = 0.02
+        return self
+
+    def kind_value(self) -> tuple[str, float]:
+        if self.max_weight_mb is not None:
+            return "memory", self.max_weight_mb
+        if self.max_avg_bits is not None:
+            return "bits", self.max_avg_bits
+        return "ppl", float(self.max_ppl_increase or 0.02)
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    formats: list[Literal["w8a8", "w8a8_tensor", "w8a16", "w4a16", "fp8", "bf16", "fp16"]] = \
+        Field(default_factory=lambda: ["w8a8", "w8a16", "w4a16"])
+    include: list[str] = Field(default_factory=list, description="module-name globs to plan (default: all)")
+    exclude: list[str] = Field(default_factory=list, description="module-name globs kept float")
+    force: dict[str, str] = Field(default_factory=lambda: {"*.mlp.gate": "fp32", "*shared_expert_gate": "fp32"})
+    budget: Budget = Field(default_factory=Budget)
+    safety: float = Field(0.7, gt=0, le=1, description="share of a ppl budget the prediction may use")
+    percentile: float = Field(99.9, gt=50, le=100)
+    group_size: int = Field(128, gt=0)
+    plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
+
+
+def run(ctx: StageContext, cfg: Config) -> StageResult:
+    loaded = ctx.load_model()
+    model = loaded.model
+    text_set = ctx.spec.data.calibration or ctx.spec.data.evaluation
+    if text_set is None:
+        raise InputError("the plan stage needs data.calibration (or data.evaluation) text")
+    blocks = load_blocks(text_set, loaded.tokenizer, ctx.base_dir)
+    stats = collect_stats(model, blocks, percentile=cfg.percentile, progress=ctx.progress)
+    stats.save(ctx.artifact_dir / "calibration.safetensors")
+    if cfg.plan_file:
+        doc = _user_plan(ctx.base_dir / cfg.plan_file, model)
+    else:
+        kind, value = cfg.budget.kind_value()
+        request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
+                              cfg.group_size)
+        doc = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
+    ctx.write_artifact("plan.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
+    counts: dict[str, int] = {}
+    for group in doc["groups"]:
+        counts[group["format"]] = counts.get(group["format"], 0) + 1
+    metrics = {"planned_groups": len(doc["groups"]), **{f"groups_{k}": v for k, v in counts.items()}}
+    predicted = doc.get("predicted", {})
+    if predicted.get("ppl_increase") is not None:
+        metrics["predicted_ppl_increase"] = predicted["ppl_increase"]
+    if predicted.get("linear_speedup") is not None:
+        metrics["predicted_linear_speedup"] = predicted["linear_speedup"]
+    return StageResult(metrics=metrics, info={"notes": doc.get("notes", [])})
+
+
+def _user_plan(path: Path, model) -> dict:  # noqa: ANN001
+    if not path.is_file():
+        raise InputError("plan file not found", file=str(path))
+    doc = yaml.safe_load(path.read_text()) or {}
+    try:
+        assignment = assignment_from_plan(doc)
+    except ValueError as exc:
+        raise InputError(str(exc), file=str(path)) from None
+    names = {n for n, _ in model.named_modules()}
+    missing = sorted(set(assignment) - names)
+    if missing:
+        raise InputError(f"plan names modules the model does not have: {', '.join(missing[:5])}", file=str(path))
+    doc.setdefault("notes", []).append(f"hand-edited plan from {path}")
+    return doc

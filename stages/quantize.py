@@ -1,0 +1,73 @@
+"""quantize: apply the plan with real kernels (SmoothQuant W8A8, weight-only int8/int4, FP8 on CUDA)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from opus.data import load_blocks
+from opus.metrics import Progress, evaluate_lm, model_mb
+from opus.quant.apply import quantize_model
+from opus.quant.calibrate import ActivationStats
+from opus.quant.formats import promote
+from opus.quant.planning import assignment_from_plan
+from opus.stage import StageContext, StageResult
+
+VERSION = "1"
+ACCURACY_METRICS = {"perplexity", "top1_accuracy", "agreement", "logits_cosine", "top5_overlap"}
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    promote: int = Field(0, ge=0, description="move the N most sensitive groups one step up the ladder")
+    promote_step: int = Field(2, gt=0, description="how many more groups each gate retry promotes")
+    alpha: float | None = Field(None, gt=0, lt=1, description="SmoothQuant strength; None: chosen per group")
+    measure: bool = Field(True, description="perplexity and top-1 on the evaluation text, for gates")
+
+
+def _plan(ctx: StageContext) -> tuple[dict[str, Any], ActivationStats]:
+    for upstream in reversed(list(ctx.upstream.values())):
+        if upstream.artifact("plan.yaml").is_file():
+            doc = yaml.safe_load(upstream.artifact("plan.yaml").read_text())
+            return doc, ActivationStats.load(upstream.artifact("calibration.safetensors"))
+    raise ValueError("quantize needs an upstream plan stage (no plan.yaml among its inputs)")
+
+
+def promoted_groups(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """The ``count`` quantized groups whose assigned format hurts most, each promoted one step."""
+    quantized = [g for g in doc["groups"] if g["format"] != "fp32"]
+    ranked = sorted(quantized, key=lambda g: g.get("score", {}).get(g["format"], 0.0), reverse=True)
+    allowed = sorted({f for g in doc["groups"] for f in g.get("time_ms", {})})
+    changes = []
+    for group in ranked[:count]:
+        new = promote(group["format"], allowed) or "fp32"
+        changes.append({"group": group["name"], "from": group["format"], "to": new})
+        group["format"] = new
+    return changes
+
+
+def run(ctx: StageContext, cfg: Config) -> StageResult:
+    doc, stats = _plan(ctx)
+    changes = promoted_groups(doc, cfg.promote)
+    loaded = ctx.load_model()
+    model = loaded.model
+    ctx.progress(0, 2, "quantizing")
+    step = quantize_model(model, assignment_from_plan(doc), stats, group_size=doc.get("group_size", 128),
+                          alpha=cfg.alpha)
+    ctx.write_artifact("plan.applied.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
+    metrics: dict[str, Any] = {"quantized_layers": len(step["layers"]), "model_mb": model_mb(model)}
+    if cfg.measure and ctx.spec.data.evaluation is not None:
+        blocks = load_blocks(ctx.spec.data.evaluation, loaded.tokenizer, ctx.base_dir)
+        metrics.update(evaluate_lm(model, blocks, progress=Progress(ctx.progress)))
+    ctx.progress(2, 2, "quantized")
+    return StageResult(metrics=metrics, model=model, recipe=[step],
+                       info={"promoted": changes, "smoothing_alpha": step["smoothing_alpha"]})
+
+
+def remedy(cfg: Config, failure: dict[str, Any]) -> Config | None:
+    """An accuracy gate failed: promote the next most sensitive groups one step up."""
+    if failure.get("metric") not in ACCURACY_METRICS:
+        return None
+    return cfg.model_copy(update={"promote": cfg.promote + cfg.promote_step})
