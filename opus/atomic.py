@@ -12,6 +12,10 @@ from typing import Any
 import yaml
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -25,6 +29,7 @@ def write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are for everyone to read
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

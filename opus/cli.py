@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
     resume.add_argument("run_dir", type=Path)
     resume.add_argument("--quiet", action="store_true")
+    for command in (run, resume):
+        command.add_argument("--commit", action="store_true",
+                             help="commit the run's small files to git when it ends (as run.track: git)")
     status = sub.add_parser("status", help="where a run stands")
     status.add_argument("run_dir", type=Path)
     runs = sub.add_parser("runs", help="list runs")
@@ -36,11 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a pipeline without running it")
     check.add_argument("pipeline", type=Path)
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    from opus import history_cli
+
+    history_cli.add_parsers(sub)  # compare, log, report
     return parser
 
 
-def _execute(loaded: Any, run_dir: Path, quiet: bool) -> int:
+def _execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> int:
     from opus.console import RunDisplay
+    from opus.history_cli import finish_run
     from opus.runner import Runner
 
     runner = Runner(loaded, run_dir, RunDisplay(quiet=quiet))  # validates before anything runs
@@ -48,6 +55,7 @@ def _execute(loaded: Any, run_dir: Path, quiet: bool) -> int:
         runner.display.line(f"run {run_dir}  ({loaded.spec.name}, {len(loaded.spec.stages)} stages)")
         summary = runner.run()
     _print_outcome(summary, run_dir)
+    finish_run(run_dir, summary, commit=commit or loaded.spec.run.track == "git")  # only ever warns
     return STATUS_EXIT.get(summary["status"], EXIT_RUN_FAILED)
 
 
@@ -71,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     loaded = load_pipeline(args.pipeline, args.overrides)
     run_dir = args.run_dir or args.runs_dir / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return _execute(loaded, run_dir, args.quiet)
+    return _execute(loaded, run_dir, args.quiet, args.commit)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -84,7 +92,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         raise InputError("not a run directory (no run.json)", file=str(args.run_dir))
     info = read_json(run_file)
     loaded = load_pipeline(args.run_dir / PIPELINE_FILE, base_dir=Path(info["base_dir"]))
-    return _execute(loaded, args.run_dir, args.quiet)
+    return _execute(loaded, args.run_dir, args.quiet, args.commit)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -110,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # SIGTERM (a scheduler, a shutdown) stops as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from opus import doctor, inspect_runs
+    from opus import doctor, history_cli, inspect_runs
 
     commands = {"run": cmd_run, "resume": cmd_resume, "status": inspect_runs.cmd_status,
                 "runs": inspect_runs.cmd_runs, "doctor": doctor.cmd_doctor, "stages": cmd_stages,
-                "check": cmd_check}
+                "check": cmd_check, **history_cli.COMMANDS}
     try:
         return commands[args.command](args)
     except OpusError as exc:
