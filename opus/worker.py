@@ -69,6 +69,8 @@ def _finish(ctx: StageContext, job: dict[str, Any], result: StageResult, started
                   reserve_mb=ctx.spec.run.min_free_disk_mb)
     if result.model is None:
         state = read_state(incoming, ctx.spec)
+        # A recipe-only step (e.g. a KV cache choice) changes no tensor: keep the incoming ones.
+        state = {**state, "recipe": list(state["recipe"]) + list(result.recipe)}
         write_checkpoint(ctx.out_dir, state=state, inherit_tensors_from=incoming, **common)
         return
     loaded = ctx._loaded

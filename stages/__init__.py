@@ -1,0 +1,64 @@
+"""Opus's built-in stage types: each is one small file, a thin adapter from YAML to ``opus`` mechanisms.
+
+Registered through the ``opus.stages`` entry-point group (see pyproject.toml). What the measuring
+stages (baseline, eval) share lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REFERENCE = "reference.safetensors"  # the baseline's fidelity reference, an artifact of that stage
+
+
+class MeasureConfig(BaseModel):
+    """What to measure; the workload itself comes from the pipeline's ``workload:``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    throughput: bool = True  # P and peak memory
+    ttft: bool = True  # D
+    decode_batch1: bool = True  # D runs also decode output_len tokens -> decode_tok_s at batch 1
+    quality: bool = True  # perplexity and top-1 (needs data.evaluation)
+    eval_batch_size: int = Field(4, gt=0)
+
+
+@dataclass
+class Measured:
+    loaded: Any  # opus.state.Materialized
+    inputs: Any  # opus.metrics.Inputs
+    factory: Any  # opus.kvcache.CacheFactory
+    progress: Any  # opus.metrics.Progress
+    metrics: dict[str, Any]
+    info: dict[str, Any]
+
+
+def measure_incoming(ctx: Any, cfg: MeasureConfig, extra_units: int = 0) -> Measured:
+    """Load the incoming model state and measure it under the run's workload.
+
+    The KV cache is the one the state's recipe chose (a ``kv_cache`` step), else the growing cache.
+    ``extra_units`` is progress work the stage will do afterwards, so the ETA covers it.
+    """
+    from opus.engine import supports_cache
+    from opus.kvcache import cache_config_from_recipe, cache_factory
+    from opus.metrics import Progress, Settings, measure_suite, prepare_inputs
+
+    loaded = ctx.load_model()
+    cache_config = cache_config_from_recipe(loaded.state.get("recipe"))
+    settings = Settings(**cfg.model_dump(include=set(Settings.__dataclass_fields__)))
+    if not supports_cache(loaded.model):
+        ctx.log(f"{type(loaded.model).__name__} does not follow Opus's LM interface: P and D skipped")
+        settings.throughput = settings.ttft = False
+    if settings.quality and ctx.spec.data.evaluation is None:
+        ctx.log("no data.evaluation declared: perplexity and top-1 accuracy skipped")
+    factory = cache_factory(loaded.model, cache_config)
+    progress = Progress(ctx.progress)
+    progress.expect(extra_units)
+    inputs = prepare_inputs(loaded.model, loaded.tokenizer, ctx.workload, ctx.spec.data.evaluation,
+                            ctx.base_dir, ctx.log)
+    metrics, info = measure_suite(loaded.model, inputs, ctx.workload, settings, factory, progress)
+    info["kv_cache"] = cache_config or {"kind": "growing"}
+    return Measured(loaded, inputs, factory, progress, metrics, info)

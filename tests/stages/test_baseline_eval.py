@@ -1,0 +1,158 @@
+"""baseline and eval stages: in-process with a hand-made context, and end to end through ``opus run``."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from opus.atomic import write_json
+from opus.kvcache import kv_cache_step
+from opus.spec import load_pipeline
+from opus.stage import StageContext, UpstreamStage
+from opus.state import STATE_FILE, base_state
+from stages import REFERENCE, baseline
+from stages import eval as eval_stage
+
+WORDS = [f"w{i}" for i in range(60)]
+PIPELINE = """
+name: tiny
+model:
+  hf: model
+data:
+  evaluation:
+    files: ["data/*.txt"]
+    samples: 4
+    seq_len: 32
+workload: {batch_size: 2, input_len: 16, output_len: 4, warmup: 0, repeats: 1}
+run: {threads: 1}  # a tiny model on a shared machine: one thread avoids OpenMP barrier stalls
+stages:
+  - id: baseline
+    uses: baseline
+    with: {fidelity_prompts: 2, fidelity_prompt_len: 8, fidelity_tokens: 4}
+  - id: check
+    uses: eval
+    needs: baseline
+    gate:
+      agreement: {min: 0.99}
+"""
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """In-process stage runs, like the workers above, use one thread (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    """A pipeline directory: a tiny random Mixtral saved by transformers, its tokenizer and some text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("project")
+    vocab = {"[UNK]": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="[UNK]").save_pretrained(
+        root / "model")
+    torch.manual_seed(0)
+    config = MixtralConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2, max_position_embeddings=128)
+    MixtralForCausalLM(config).save_pretrained(root / "model")
+    (root / "data").mkdir()
+    g = torch.Generator().manual_seed(0)
+    for part in range(2):
+        ids = torch.randint(0, len(WORDS), (150,), generator=g).tolist()
+        (root / "data" / f"part{part}.txt").write_text(" ".join(WORDS[i] for i in ids))
+    (root / "pipeline.yaml").write_text(PIPELINE)
+    return root
+
+
+def context(project: Path, out: Path, stage_id: str, upstream: dict | None = None,
+            incoming: Path | None = None) -> tuple[StageContext, list[str]]:
+    loaded = load_pipeline(project / "pipeline.yaml")
+    logs: list[str] = []
+    ctx = StageContext(run_dir=out.parent, stage_id=stage_id, uses=loaded.spec.stage(stage_id).uses,
+                       spec=loaded.spec, base_dir=loaded.base_dir, upstream=upstream or {}, incoming=incoming,
+                       out_dir=out, report=lambda m: logs.append(m.get("message", "")))
+    return ctx, logs
+
+
+def test_baseline_then_eval_in_process(project, tmp_path) -> None:
+    ctx, _ = context(project, tmp_path / "baseline", "baseline")
+    result = baseline.run(ctx, baseline.Config(fidelity_prompts=2, fidelity_prompt_len=8, fidelity_tokens=4))
+    assert result.baseline and result.model is None
+    for key in ("throughput_tok_s", "ttft_ms", "peak_mem_mb", "perplexity", "top1_accuracy", "decode_tok_s"):
+        assert result.metrics[key] > 0, key
+    assert result.info["prompt_source"] == "text" and result.info["kv_cache"] == {"kind": "growing"}
+    reference = tmp_path / "baseline" / "artifacts" / REFERENCE
+    assert reference.is_file()
+
+    up = UpstreamStage(id="baseline", uses="baseline", key="k", status="done", metrics=result.metrics,
+                       dir=tmp_path / "baseline", baseline=True)
+    ctx, _ = context(project, tmp_path / "check", "check", upstream={"baseline": up})
+    got = eval_stage.run(ctx, eval_stage.Config()).metrics
+    assert got["agreement"] == got["agreement_free"] == got["top5_overlap"] == 1.0
+    assert got["logits_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert got["perplexity"] == pytest.approx(result.metrics["perplexity"], rel=1e-6)
+
+
+def test_eval_without_a_baseline_skips_fidelity(project, tmp_path) -> None:
+    ctx, logs = context(project, tmp_path / "check", "check")
+    got = eval_stage.run(ctx, eval_stage.Config(throughput=False, decode_batch1=False)).metrics
+    assert "agreement" not in got and "throughput_tok_s" not in got and got["ttft_ms"] > 0
+    assert any("no baseline stage upstream" in line for line in logs)
+
+
+def test_eval_uses_the_kv_cache_the_recipe_chose(project, tmp_path, monkeypatch) -> None:
+    (tmp_path / "counting_cache.py").write_text(textwrap.dedent("""
+        from opus.kvcache import GrowingKVCache, register_cache
+
+        built = []
+
+        @register_cache("counting")
+        def build(options, shape):
+            built.append(shape.batch_size)
+            return GrowingKVCache(shape.num_layers)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ctx, _ = context(project, tmp_path / "check", "check")
+    incoming = tmp_path / "incoming"
+    incoming.mkdir()
+    state = base_state(ctx.spec)
+    state["recipe"] = [kv_cache_step({"kind": "counting", "provider": "counting_cache"})]
+    write_json(incoming / STATE_FILE, state)
+    ctx.incoming = incoming
+    result = eval_stage.run(ctx, eval_stage.Config(ttft=False, quality=False))
+    import counting_cache
+
+    assert result.info["kv_cache"] == {"kind": "counting", "provider": "counting_cache"}
+    assert 2 in counting_cache.built  # the batch workload ran on the recipe's cache
+
+
+def test_opus_run_end_to_end_then_cached(project, tmp_path) -> None:
+    from opus.cli import main
+
+    run_dir = tmp_path / "run"
+    argv = ["run", str(project / "pipeline.yaml"), "--run-dir", str(run_dir), "--quiet"]
+    assert main(argv) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["final_stage"] == "check"
+    for key in ("throughput_tok_s", "ttft_ms", "peak_mem_mb", "perplexity", "top1_accuracy"):
+        assert summary["baseline"][key] > 0 and summary["final"][key] > 0, key
+    assert summary["final"]["agreement"] == 1.0 and summary["final"]["top5_overlap"] == 1.0
+    assert summary["final"]["logits_cosine"] == pytest.approx(1.0, abs=1e-6)
+    assert [s["status"] for s in summary["stages"]] == ["done", "done"]
+
+    assert main(argv) == 0
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert [s["status"] for s in again["stages"]] == ["cached", "cached"]
+    assert again["baseline"] == summary["baseline"]
