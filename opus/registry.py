@@ -7,11 +7,13 @@ failed gate.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from types import ModuleType
 
 from pydantic import BaseModel
@@ -34,9 +36,13 @@ class StageType:
 
     @property
     def code_version(self) -> str:
-        """The declared VERSION plus a hash of the module's source: an edit re-runs the stage."""
+        """The declared VERSION plus a hash of the stage's source and of the ``opus`` mechanisms.
+
+        An edit to the stage or to any mechanism it may call (metrics, kernels, engine) re-runs it:
+        a cached result is only reused when the code that produced it is the code installed now.
+        """
         source = inspect.getsource(self.module)
-        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        digest = hashlib.sha256((source + opus_source_digest()).encode()).hexdigest()[:16]
         return f"{getattr(self.module, 'VERSION', '0')}+{digest}"
 
     def remedy(self, cfg: BaseModel, failure: dict) -> BaseModel | None:
@@ -46,6 +52,19 @@ class StageType:
     @property
     def has_remedy(self) -> bool:
         return hasattr(self.module, "remedy")
+
+
+@functools.cache
+def opus_source_digest() -> str:
+    """sha256 over the sources of the installed ``opus`` package (computed once per process)."""
+    import opus
+
+    digest = hashlib.sha256()
+    root = Path(opus.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def known_stage_types() -> dict[str, str]:

@@ -64,3 +64,28 @@ def build_groups(model: nn.Module, include: list[str], exclude: list[str]) -> li
         key = _group_name(name)
         groups.setdefault(key, QGroup(key, role=role_of(name))).modules.append(name)
     return list(groups.values())
+
+
+# Routers decide which expert runs: quantizing them moves tokens, not just values.
+ROUTER_PATTERNS = ["*.mlp.gate", "*shared_expert_gate"]
+
+
+def uniform_assignment(model: nn.Module, fmt: str, group_size: int = 128,
+                       exclude: list[str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """Every decoder linear in one format (routers and tied lm_heads stay float).
+
+    Returns ``(assignment, skipped)``: layers whose shape the format's kernel cannot take are left
+    out of the assignment and listed in ``skipped`` with the reason.
+    """
+    from opus.quant.formats import FORMATS
+
+    assignment: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    for group in build_groups(model, [], ROUTER_PATTERNS if exclude is None else exclude):
+        for name in group.modules:
+            reason = FORMATS[fmt].unsupported(model.get_submodule(name), group_size)
+            if reason:
+                skipped[name] = reason
+            else:
+                assignment[name] = fmt
+    return assignment, skipped

@@ -1,0 +1,148 @@
+"""The one config every Opus decoder is built from, derived from a Hugging Face ``config.json``.
+
+Families differ in a handful of switches (qkv bias, q/k RMSNorm, MoE routing, a shared expert),
+so one dataclass plus one decoder file replaces five near-copies of the same model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from opus.errors import EXIT_INVALID, OpusError
+
+
+class ModelLoadError(OpusError):
+    """A model could not be built or loaded; the message is one line and names the culprit."""
+
+    exit_code = EXIT_INVALID
+
+
+# HF model_type -> Opus family. The family decides the defaults the config.json may omit.
+FAMILIES: dict[str, str] = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+@dataclass
+class ModelConfig:
+    """Hyperparameters of an Opus decoder-only LM (plain data: safe to JSON-dump into a recipe)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # bias on q/k/v projections (qwen2, qwen2_moe; llama attention_bias)
+    o_bias: bool = False  # bias on o_proj (llama/qwen3 attention_bias)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (qwen3, qwen3_moe)
+    num_experts: int = 0  # 0 = dense
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights (always true for mixtral)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: an always-on expert with a sigmoid gate
+    # Per layer: True where the MLP is the sparse MoE block (qwen-moe decoder_sparse_step/mlp_only_layers).
+    moe_layers: list[bool] = field(default_factory=list)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts and not self.moe_layers:
+            self.moe_layers = [True] * self.num_layers
+        if not self.num_experts:
+            self.moe_layers = [False] * self.num_layers
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(f"top_k ({self.top_k}) must be in 1..num_experts ({self.num_experts})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """rope_theta from either the 5.x ``rope_parameters`` or the 4.x top-level keys.
+
+    Only the default RoPE is implemented: a scaled variant would silently change every logit.
+    """
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ModelLoadError(f"rope type {kind!r} is not supported (only the default RoPE is implemented)")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Translate a Hugging Face config.json (as a dict) into a ModelConfig."""
+    model_type = cfg.get("model_type")
+    family = FAMILIES.get(str(model_type))
+    if family is None:
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+        raise ModelLoadError("sliding-window attention is not supported")
+    if family == "mixtral" and cfg.get("sliding_window"):
+        raise ModelLoadError(f"sliding-window attention is not supported (sliding_window={cfg['sliding_window']})")
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    layers = int(cfg["num_hidden_layers"])
+    attention_bias = bool(cfg.get("attention_bias", False))
+    kw: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+    )
+    if family == "qwen2":
+        kw.update(qkv_bias=True, o_bias=False)  # Qwen2 hard-codes bias on q/k/v only
+    if family == "qwen2_moe":
+        kw.update(qkv_bias=bool(cfg.get("qkv_bias", True)), o_bias=False)
+    if family in ("qwen3", "qwen3_moe"):
+        kw["qk_norm"] = True
+    if family == "mixtral":
+        kw.update(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                  moe_intermediate_size=kw["intermediate_size"], norm_topk_prob=True)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        kw.update(
+            num_experts=experts,
+            top_k=int(cfg.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+            if family == "qwen2_moe" else 0,
+            moe_layers=[experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)],
+        )
+    return ModelConfig(**kw)

@@ -1,0 +1,233 @@
+"""One readable decoder-only LM for every supported family (Llama, Qwen2, Qwen3, Mixtral, Qwen-MoE).
+
+Module names follow Hugging Face (``model.layers.N.self_attn.q_proj``, ``model.layers.N.mlp.gate``,
+``model.layers.N.mlp.experts.E.gate_proj`` ...), so a layer name a user knows from HF means the same
+here. Every linear layer is a plain ``nn.Linear`` — each expert's gate/up/down and the router
+included — because quantization swaps ``nn.Linear`` modules by name and fusion matches patterns.
+
+Interface used by the engine::
+
+    logits = model(input_ids, cache=None, start_pos=0, last_only=False)   # [B, T or 1, vocab]
+
+With a cache, attention in layer i calls ``k_all, v_all = cache.update(i, k, v)`` (k, v after RoPE,
+``[B, num_kv_heads, T, head_dim]``) and attends to everything the cache returns.
+
+fx status (torch 2.13, tested in tests/models/test_fx.py): ``torch.fx.symbolic_trace`` succeeds on
+the whole model with ``concrete_args={"cache": None, "start_pos": 0, "last_only": False}`` (or
+``last_only=True``), on any decoder layer's attention and MLP / MoE block alone, and the traced
+graph reproduces the eager logits. Forward has no Python control flow on tensor values: the MoE
+loops over its experts in a static Python range and gathers tokens with index ops. The cache
+update and the masked attention are ``torch.fx.wrap`` leaves, so a trace can also keep ``cache`` as
+an input (the cache is a plain Python object, not a module; opus.fusion relies on this).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opus.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the input dtype, exactly as transformers does.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (unscaled) RoPE in the half-split ("NeoX") layout transformers uses.
+
+    Frequencies are computed per call in fp32 rather than kept in a buffer: a buffer would be
+    cast by ``model.to(torch.bfloat16)`` and silently blur positions, and a 128k-position cos/sin
+    table would cost tens of MB. The cost is a few tiny ops per forward, not per layer.
+    """
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
+        inv_freq = 1.0 / (self.theta**exponent)
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+# fx leaves: the cache is a plain Python object and the mask depends on a Python flag and a shape,
+# so attention traces (opus.fusion) with a cache only if these two steps are opaque calls.
+@torch.fx.wrap
+def cache_update(cache: object | None, layer: int, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if cache is None:
+        return k, v
+    return cache.update(layer, k, v)  # type: ignore[attr-defined]
+
+
+@torch.fx.wrap
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool) -> torch.Tensor:
+    # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
+    # Otherwise T new tokens attend causally among themselves and fully to the S - T cached ones;
+    # a single decode token attends to everything, so it needs no mask.
+    mask = None
+    t, s = q.shape[2], k.shape[2]
+    if not causal and t > 1:
+        rows = torch.arange(t, device=q.device)[:, None] + (s - t)
+        mask = torch.arange(s, device=q.device)[None, :] <= rows
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(h, q_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, kv_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, kv_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, h, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: object | None = None,
+                causal: bool = True) -> torch.Tensor:
+        b, t = x.shape[0], x.shape[1]
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache_update(cache, self.layer_idx, k, v)
+        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Also each MoE expert."""
+
+    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax routing over SwiGLU experts, optional sigmoid-gated shared expert (qwen2_moe).
+
+    ``dense = True`` runs every expert on every token and weights by the (mostly zero) routing
+    matrix: more flops, but static shapes (for CUDA graphs / export). The default gathers only the
+    routed tokens per expert, which is what a CPU wants.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.top_k, cfg.norm_topk_prob
+        self.dense = False
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg.hidden_size, shared) if shared else None
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        if self.dense:
+            routing = torch.zeros_like(probs, dtype=x.dtype).scatter(1, chosen, weights)  # [N, E]
+            for e, expert in enumerate(self.experts):
+                out = out + routing[:, e : e + 1] * expert(x)
+        else:
+            for e, expert in enumerate(self.experts):
+                hit = torch.where(chosen == e)  # (token index, slot); a token picks an expert once
+                tokens, slots = hit[0], hit[1]
+                y = expert(x[tokens]) * weights[tokens, slots].unsqueeze(-1)
+                out = out.index_add(0, tokens, y)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp: nn.Module = (SparseMoE(cfg) if cfg.moe_layers[layer_idx]
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: object | None = None,
+                causal: bool = True) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, causal)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """The trunk; named ``model`` inside the LM so parameter names match Hugging Face's."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the lm_head when the config says so (call again after a reload)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, cache: object | None = None, start_pos: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        t = input_ids.shape[1]
+        h = self.model.embed_tokens(input_ids)
+        positions = torch.arange(start_pos, start_pos + t, device=input_ids.device)
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        causal = cache is None or start_pos == 0
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, cache, causal)
+        if last_only:
+            h = h[:, -1:, :]  # the lm_head is the biggest GEMM of a prefill: skip unused positions
+        return self.lm_head(self.model.norm(h))
