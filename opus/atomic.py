@@ -11,7 +11,6 @@ from typing import Any
 
 import yaml
 
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 

@@ -1,0 +1,182 @@
+"""Merging linear layers: horizontally (q/k/v, gate/up: one GEMM) and stacked (MoE experts).
+
+Only layers of one precision merge. Plain ``nn.Linear`` of one dtype and device is built in; a
+quantized-linear class plugs in by registering its own merger::
+
+    @register_concat(Int8Linear)
+    def _cat(mods: list[Int8Linear]) -> Int8Linear | str: ...   # a str is the reason to skip
+
+    @register_stacker(Int8Linear)
+    def _stack(mods: list[Int8Linear]) -> StackedLinear | str: ...
+
+A mix of classes (some experts quantized, some not) never merges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+Concat = Callable[[list[nn.Module]], "nn.Module | str"]
+Stacker = Callable[[list[nn.Module]], "StackedLinear | str"]
+
+_CONCAT: dict[type, Concat] = {}
+_STACK: dict[type, Stacker] = {}
+
+
+def register_concat(cls: type) -> Callable[[Concat], Concat]:
+    def decorator(fn: Concat) -> Concat:
+        _CONCAT[cls] = fn
+        return fn
+    return decorator
+
+
+def register_stacker(cls: type) -> Callable[[Stacker], Stacker]:
+    def decorator(fn: Stacker) -> Stacker:
+        _STACK[cls] = fn
+        return fn
+    return decorator
+
+
+def _same_class(mods: list[nn.Module]) -> type | str:
+    classes = {type(m) for m in mods}
+    if len(classes) != 1:
+        return "mixed precision: " + ", ".join(sorted(c.__name__ for c in classes))
+    return classes.pop()
+
+
+def concat_linears(mods: list[nn.Module]) -> nn.Module | str:
+    """One layer computing ``cat([m(x) for m in mods], -1)``, or the reason it cannot be built."""
+    cls = _same_class(mods)
+    if isinstance(cls, str):
+        return cls
+    fn = _CONCAT.get(cls)
+    return fn(mods) if fn else f"{cls.__name__}: no concat rule (quantized or custom linear)"
+
+
+def _plain_check(mods: list[nn.Module]) -> str | None:
+    first = mods[0]
+    if any(m.weight.dtype != first.weight.dtype or m.weight.device != first.weight.device for m in mods):
+        return "mixed precision: " + ", ".join(sorted({str(m.weight.dtype) for m in mods}))
+    if len({m.in_features for m in mods}) != 1:
+        return "different input sizes"
+    if len({m.bias is None for m in mods}) != 1:
+        return "bias on some layers only"
+    return None
+
+
+@register_concat(nn.Linear)
+def _concat_linear(mods: list[nn.Module]) -> nn.Module | str:
+    reason = _plain_check(mods)
+    if reason:
+        return reason
+    first = mods[0]
+    out = sum(m.out_features for m in mods)
+    with torch.device("meta"):
+        fused = nn.Linear(first.in_features, out, bias=first.bias is not None)
+    with torch.no_grad():
+        grad = first.weight.requires_grad
+        fused.weight = nn.Parameter(torch.cat([m.weight for m in mods], 0), requires_grad=grad)
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in mods], 0), requires_grad=grad)
+    return fused
+
+
+class StackedLinear(nn.Module):
+    """E linears of one shape as one ``[E, out, in]`` weight, run over expert-sorted tokens.
+
+    ``grouped(x, offsets)``: rows ``offsets[e-1]:offsets[e]`` of ``x`` go through expert ``e``.
+    Uses ``torch._grouped_mm`` where this build supports it for the device and dtype, else one
+    padded ``bmm`` (tokens scattered into ``[E, max_count, in]``) — no Python loop over experts.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.weight.shape[0])
+
+    def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return grouped_linear(x, self.weight, self.bias, offsets)
+
+
+@register_stacker(nn.Linear)
+def _stack_linear(mods: list[nn.Module]) -> StackedLinear | str:
+    reason = _plain_check(mods)
+    if reason:
+        return reason
+    if len({(m.out_features, m.in_features) for m in mods}) != 1:
+        return "experts of different shapes"
+    with torch.no_grad():
+        weight = torch.stack([m.weight for m in mods])
+        bias = torch.stack([m.bias for m in mods]) if mods[0].bias is not None else None
+    return StackedLinear(weight, bias)
+
+
+def stack_linears(mods: list[nn.Module]) -> StackedLinear | str:
+    cls = _same_class(mods)
+    if isinstance(cls, str):
+        return "mixed/quantized experts: not stacked (" + cls + ")"
+    fn = _STACK.get(cls)
+    if fn is None:
+        return f"mixed/quantized experts: not stacked ({cls.__name__} has no stacking rule)"
+    return fn(mods)
+
+
+# -- grouped GEMM ---------------------------------------------------------------------------------
+_GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Probe ``torch._grouped_mm`` once per (device type, dtype): builds and devices differ."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.ones(3, 16, device=device, dtype=dtype)
+                w = torch.ones(2, 16, 16, device=device, dtype=dtype)
+                offs = torch.tensor([1, 3], device=device, dtype=torch.int32)
+                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+                ok = bool(torch.allclose(y.float(), torch.full_like(y, 16.0).float()))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _GROUPED_OK[key] = ok
+    return _GROUPED_OK[key]
+
+
+@torch.fx.wrap
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """``x [N, in]`` sorted by expert, ``weight [E, out, in]``, ``offsets [E]`` (int32 cumulative ends)."""
+    y = None
+    if grouped_mm_supported(x.device, x.dtype) and x.shape[0] > 0:
+        try:
+            y = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+        except RuntimeError:  # e.g. CUDA alignment rules for this shape: use the portable path
+            y = None
+    if y is None:
+        y = _padded_bmm(x, weight, offsets)
+    if bias is not None:
+        expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets.long(), right=True)
+        y = y + bias[expert]
+    return y
+
+
+def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    num = weight.shape[0]
+    ends = offsets.long()
+    starts = torch.cat((ends.new_zeros(1), ends[:-1]))
+    counts = ends - starts
+    cap = int(counts.max()) if x.shape[0] else 0  # one sync: the padded width
+    rows = torch.arange(x.shape[0], device=x.device)
+    expert = torch.bucketize(rows, ends, right=True)
+    slot = rows - starts[expert]
+    buf = x.new_zeros(num, max(cap, 1), x.shape[1])
+    buf[expert, slot] = x
+    return torch.bmm(buf, weight.transpose(1, 2))[expert, slot]

@@ -1,0 +1,105 @@
+"""Grouped MoE: tokens sorted by expert, experts' weights stacked, no Python loop over experts.
+
+``GroupedMoE`` replaces ``opus.models.decoder.SparseMoE`` (same router, same routing arithmetic,
+same shared expert). Parameter names: the router stays ``<moe>.gate.weight``; the experts become
+``<moe>.experts.gate_up.weight [E, 2I, H]`` and ``<moe>.experts.down.weight [E, H, I]`` — new
+tensors, saved in the checkpoint like any other.
+
+Per expert, gate and up are first concatenated (``concat_linears``), then the E results are
+stacked (``stack_linears``); both go through the registries in ``linear_ops``, so a quantized
+linear class that registers its own rules is stacked too. Anything else is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opus.fusion.linear_ops import StackedLinear, concat_linears, stack_linears
+from opus.fusion.ops import swiglu
+
+
+def moe_reason(module: nn.Module) -> str | None:
+    """Why ``module`` cannot be grouped, or None when it can (exact routing semantics known)."""
+    from opus.models.decoder import SparseMoE
+
+    if not isinstance(module, SparseMoE):
+        return f"{type(module).__name__}: routing semantics unknown (only Opus SparseMoE is grouped)"
+    for expert in module.experts:
+        if not all(hasattr(expert, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"expert {type(expert).__name__} is not gate/up/down SwiGLU"
+    return None
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, gate_up: StackedLinear, down: StackedLinear, top_k: int) -> None:
+        super().__init__()
+        self.gate_up, self.down, self.top_k = gate_up, down, top_k
+        self.num_experts = gate_up.num_experts
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
+        order = torch.argsort(flat, stable=True)  # stable: within an expert tokens stay in order
+        token = torch.div(order, self.top_k, rounding_mode="floor")
+        offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        h = swiglu(self.gate_up.grouped(x[token], offsets))
+        y = self.down.grouped(h, offsets) * weights.reshape(-1)[order].unsqueeze(-1)
+        # Sorted by expert, so each token sums its experts in expert order, as the loop did.
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def dense(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token as batched matmuls: static shapes (CUDA graphs, export)."""
+        routing = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
+        routing = routing.scatter(1, chosen, weights)  # [N, E]
+        xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
+        h = swiglu(torch.bmm(xe, self.gate_up.weight.transpose(1, 2)))
+        y = torch.bmm(h, self.down.weight.transpose(1, 2))  # [E, N, H]
+        return (routing.t().unsqueeze(-1) * y).sum(0)
+
+
+class GroupedMoE(nn.Module):
+    """SparseMoE with grouped experts; ``dense`` keeps the parent's meaning."""
+
+    def __init__(self, moe: nn.Module, experts: GroupedExperts) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.norm_topk_prob, self.dense = moe.norm_topk_prob, moe.dense
+        self.gate = moe.gate
+        self.experts = experts
+        self.shared_expert = moe.shared_expert
+        self.shared_expert_gate = moe.shared_expert_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = self.experts.dense(x, chosen, weights) if self.dense else self.experts(x, chosen, weights)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
+
+
+def group_moe(module: nn.Module) -> GroupedMoE | str:
+    """The grouped replacement of ``module``, or the reason it is not built."""
+    reason = moe_reason(module)
+    if reason:
+        return reason
+    gate_ups = []
+    for expert in module.experts:
+        fused = concat_linears([expert.gate_proj, expert.up_proj])
+        if isinstance(fused, str):
+            return f"mixed/quantized experts: not stacked ({fused})"
+        gate_ups.append(fused)
+    gate_up = stack_linears(gate_ups)
+    down = stack_linears([e.down_proj for e in module.experts])
+    for stacked in (gate_up, down):
+        if isinstance(stacked, str):
+            return stacked
+    if module.dense and type(gate_up) is not StackedLinear:
+        return "dense MoE needs plain stacked weights"
+    return GroupedMoE(module, GroupedExperts(gate_up, down, module.top_k))

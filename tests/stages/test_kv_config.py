@@ -1,0 +1,82 @@
+"""The kv_config stage measures candidates and writes its choice into the recipe; end to end with fuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fusion_project import context, make_project
+
+from opus.fusion import GroupedMoE
+from opus.kvcache import cache_config_from_recipe
+from opus.spec import load_pipeline
+from opus.state import materialize
+from stages import kv_config
+
+SMALL = {"batch_sizes": [1, 2], "input_len": 6, "output_len": 3, "repeats": 1, "warmup": 0,
+         "prealloc": [4], "step": [2, 8]}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_measures_candidates_and_records_the_choice(tmp_path):
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
+    result = kv_config.run(context(pipeline, tmp_path / "out", "kv"), kv_config.Config(**SMALL))
+    assert result.model is None and len(result.recipe) == 1
+    step = result.recipe[0]
+    chosen = cache_config_from_recipe(result.recipe)
+    assert step["kind"] == "kv_cache" and chosen["kind"] in ("pooled", "growing")
+    assert step["sizing"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # layers x KV heads x head dim x fp32
+    report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
+    assert len(report["candidates"]) == 3 * 2  # (2 pooled + growing) x 2 batch sizes
+    assert all(c["throughput_tok_s"] > 0 for c in report["candidates"])
+    assert result.metrics["kv_exact_match"] == 1.0 and result.metrics["kv_max_batch"] >= 2
+
+
+def test_budget_limits_the_batch(tmp_path):
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
+    per_token = 2 * 2 * 2 * 8 * 4
+    cfg = kv_config.Config(**{**SMALL, "memory_budget_mb": per_token * 12 * 1.5 / (1 << 20)})  # ~1.5 sequences
+    result = kv_config.run(context(pipeline, tmp_path / "out", "kv"), cfg)
+    report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
+    skipped = [c for c in report["candidates"] if "skipped" in c]
+    assert skipped and all(c["batch_size"] == 2 and "does not fit" in c["skipped"] for c in skipped)
+    assert result.metrics["kv_batch_size"] == 1
+
+
+def test_fuse_then_kv_config_then_eval_through_the_runner(tmp_path):
+    from opus.cli import main
+
+    stages = [
+        {"id": "fuse", "uses": "fuse", "with": {"measure_time": False},
+         "gate": {"fusion_exact_match": {"min": 0.95}}},
+        {"id": "kv", "uses": "kv_config", "needs": "fuse", "with": SMALL},
+        {"id": "check", "uses": "eval", "needs": "kv", "with": {"quality": False}},
+    ]
+    pipeline = make_project(tmp_path, stages, family="mixtral")
+    run_dir = tmp_path / "run"
+    argv = ["run", str(pipeline), "--run-dir", str(run_dir), "--quiet"]
+    assert main(argv) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["done", "done", "done"], summary
+    final = sorted((run_dir / "stages").glob("*-check"))[0]
+    state = json.loads((final / "state.json").read_text())
+    assert [s["kind"] for s in state["recipe"]] == ["fuse", "kv_cache"]  # the kv step rode along unchanged tensors
+    loaded = load_pipeline(pipeline)
+    model = materialize(final, loaded.spec, loaded.base_dir).model  # rebuilt from recipe + tensors
+    assert isinstance(model.model.layers[0].mlp, GroupedMoE)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in dict(model.named_parameters())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    check_done = next(e for e in events if e.get("event") == "stage_done" and e.get("stage") == "check")
+    assert check_done["metrics"]["throughput_tok_s"] > 0
+
+    assert main(argv) == 0  # resume: every stage's checkpoint is reused
+    again = json.loads((run_dir / "summary.json").read_text())
+    assert [s["status"] for s in again["stages"]] == ["cached", "cached", "cached"]
