@@ -180,3 +180,20 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     buf = x.new_zeros(num, max(cap, 1), x.shape[1])
     buf[expert, slot] = x
     return torch.bmm(buf, weight.transpose(1, 2))[expert, slot]
+
+
+def _register_quantized() -> None:
+    """Quantized layers of one class and options concatenate exactly along their output axis."""
+    from opus.quant.modules import (
+        Fp8Linear,
+        Int4WeightOnlyLinear,
+        Int8DynamicLinear,
+        Int8WeightOnlyLinear,
+        concat_quantized,
+    )
+
+    for cls in (Int8DynamicLinear, Int8WeightOnlyLinear, Int4WeightOnlyLinear, Fp8Linear):
+        register_concat(cls)(concat_quantized)
+
+
+_register_quantized()

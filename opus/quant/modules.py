@@ -16,6 +16,9 @@ class QuantLinear(nn.Module):
     """Shared plumbing: shapes, optional float bias, flattening of leading dimensions."""
 
     fmt = "float"
+    # Buffer name -> the axis that indexes output features: layers of one class and options can be
+    # concatenated along it (q/k/v into one GEMM) without requantizing anything.
+    OUT_AXES: dict[str, int] = {}
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -34,6 +37,13 @@ class QuantLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def options(self) -> dict[str, object]:
+        """Constructor options beyond the shape (what ``empty`` needs to rebuild this layer)."""
+        return {}
+
+    def after_load(self) -> None:
+        """Re-derive kernel layouts after the packed tensors changed."""
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, **options: object) -> QuantLinear:
@@ -55,6 +65,7 @@ class Int8WeightOnlyLinear(QuantLinear):
     """W8A16: int8 weights per output channel, float activations; ``_weight_int8pack_mm`` on CPU."""
 
     fmt = "w8a16"
+    OUT_AXES = {"qweight": 0, "scale": 0}
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
@@ -75,6 +86,7 @@ class Int4WeightOnlyLinear(QuantLinear):
     """W4A16: asymmetric int4 per group of input channels; tinygemm-style int4 GEMM."""
 
     fmt = "w4a16"
+    OUT_AXES = {"qweight": 0, "scales_and_zeros": 1}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int = 128) -> None:
         super().__init__(in_features, out_features, bias)
@@ -85,6 +97,12 @@ class Int4WeightOnlyLinear(QuantLinear):
         self.register_buffer("scales_and_zeros", torch.zeros(in_features // group_size, out_features, 2))
         self.register_buffer("_kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, _: module.repack())
+
+    def options(self) -> dict[str, object]:
+        return {"group_size": self.group_size}
+
+    def after_load(self) -> None:
+        self.repack()
 
     def load_weight(self, weight: torch.Tensor) -> None:
         self.qweight, self.scales_and_zeros = int4_groupwise(weight, self.group_size)
@@ -123,6 +141,7 @@ class Int8DynamicLinear(QuantLinear):
     """
 
     fmt = "w8a8"
+    OUT_AXES = {"qweight_t": 1, "scale": 1}
 
     def __init__(self, in_features: int, out_features: int, bias: bool, per_token: bool = True) -> None:
         super().__init__(in_features, out_features, bias)
@@ -132,6 +151,9 @@ class Int8DynamicLinear(QuantLinear):
         # Stored [in, out] so the GEMM reads it contiguously.
         self.register_buffer("qweight_t", torch.zeros(in_features, out_features, dtype=torch.int8))
         self.register_buffer("scale", torch.ones(1, out_features))
+
+    def options(self) -> dict[str, object]:
+        return {"per_token": self.per_token}
 
     def load_weight(self, weight: torch.Tensor) -> None:
         q, scale = int8_per_channel(weight)
@@ -147,6 +169,7 @@ class Fp8Linear(QuantLinear):
     """FP8 E4M3 weights and rowwise-scaled activations through ``torch._scaled_mm`` (CUDA sm_89+)."""
 
     fmt = "fp8"
+    OUT_AXES = {"qweight": 0, "scale": 1}
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias)
@@ -161,6 +184,26 @@ class Fp8Linear(QuantLinear):
         q, x_scale = fp8_rowwise(x)
         return torch._scaled_mm(q, self.qweight.t(), scale_a=x_scale, scale_b=self.scale,
                                 out_dtype=torch.bfloat16).to(x.dtype)
+
+
+def concat_quantized(mods: list[QuantLinear]) -> QuantLinear | str:
+    """One layer of the same class computing ``cat([m(x) for m in mods], -1)``, or why not."""
+    first = mods[0]
+    if any(m.options() != first.options() for m in mods):
+        return "different quantization options"
+    if len({m.in_features for m in mods}) != 1:
+        return "different input sizes"
+    if len({m.bias is None for m in mods}) != 1:
+        return "bias on some layers only"
+    out = sum(m.out_features for m in mods)
+    fused = type(first).empty(first.in_features, out, first.bias is not None, **first.options())
+    with torch.no_grad():
+        for name, axis in type(first).OUT_AXES.items():
+            setattr(fused, name, torch.cat([getattr(m, name) for m in mods], dim=axis))
+        if first.bias is not None:
+            fused.bias.data = torch.cat([m.bias.data for m in mods])
+    fused.after_load()
+    return fused.to(next(first.buffers()).device)
 
 
 class CastLinear(nn.Linear):

@@ -1,0 +1,50 @@
+"""Quantized layers of one format merge in fusion (one GEMM, one activation quantization), exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from opus.fusion import FusionConfig, apply_fusion, fuse_model, lm_probe
+from opus.quant.apply import quantize_model, rebuild
+from opus.quant.calibrate import collect_stats
+from opus.quant.formats import FORMATS
+from opus.quant.modules import concat_quantized
+from tests.quant.tiny import blocks, tiny_decoder
+
+
+@pytest.mark.parametrize("fmt", ["w8a8", "w8a16", "w4a16"])
+@torch.no_grad()
+def test_concat_equals_separate_layers(fmt: str) -> None:
+    torch.manual_seed(0)
+    layers = [FORMATS[fmt].build(nn.Linear(128, out), 64) for out in (128, 64, 64)]
+    fused = concat_quantized(layers)
+    x = torch.randn(5, 128)
+    assert torch.equal(fused(x), torch.cat([m(x) for m in layers], dim=-1))
+
+
+@torch.no_grad()
+def test_mixed_formats_do_not_merge() -> None:
+    layers = [FORMATS["w8a8"].build(nn.Linear(64, 64), 64), FORMATS["w8a16"].build(nn.Linear(64, 64), 64)]
+    from opus.fusion.linear_ops import concat_linears
+
+    assert "mixed precision" in concat_linears(layers)
+
+
+@torch.no_grad()
+def test_fusion_merges_quantized_qkv_and_replays_from_recipe() -> None:
+    model = tiny_decoder("llama")
+    data = blocks(2, 16)
+    names = [n for n, _ in model.named_modules() if n.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
+    step = quantize_model(model, {n: "w8a8" for n in names}, collect_stats(model, data))
+    ref = model(data)
+    outcome = fuse_model(model, FusionConfig(patterns=["qkv", "gate_up"]), lm_probe(data))
+    fused = outcome.model
+    assert outcome.patterns()["qkv"]["fused"] == 2 and outcome.patterns()["gate_up"]["fused"] == 2
+    assert torch.allclose(fused(data), ref, atol=1e-5)
+    # Per layer: one qkv and one gate_up int8 layer remain, each a single GEMM.
+    assert sum(type(m).__name__ == "Int8DynamicLinear" for m in fused.modules()) == 2 * 2
+    rebuilt = apply_fusion(rebuild(tiny_decoder("llama"), step), outcome.step(False))
+    rebuilt.load_state_dict(fused.state_dict())
+    assert torch.allclose(rebuilt(data), ref, atol=1e-5)
