@@ -39,9 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a pipeline without running it")
     check.add_argument("pipeline", type=Path)
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    from opus import history_cli
+    from opus import bench_cli, history_cli
 
     history_cli.add_parsers(sub)  # compare, log, report
+    bench_cli.add_parsers(sub)  # bench
     return parser
 
 
@@ -118,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # SIGTERM (a scheduler, a shutdown) stops as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from opus import doctor, history_cli, inspect_runs
+    from opus import bench_cli, doctor, history_cli, inspect_runs
 
     commands = {"run": cmd_run, "resume": cmd_resume, "status": inspect_runs.cmd_status,
                 "runs": inspect_runs.cmd_runs, "doctor": doctor.cmd_doctor, "stages": cmd_stages,
-                "check": cmd_check, **history_cli.COMMANDS}
+                "check": cmd_check, **history_cli.COMMANDS, **bench_cli.COMMANDS}
     try:
         return commands[args.command](args)
     except OpusError as exc:

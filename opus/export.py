@@ -201,7 +201,7 @@ def _absolute_source(source: dict[str, Any], base_dir: Path) -> dict[str, Any]:
     return out
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """The root cause's first line: the exporter's own top-level message is generic ("step 3/3 ...")."""
     root, seen = exc, {id(exc)}
     while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
@@ -234,7 +234,7 @@ def _try_onnx(model: nn.Module, tokenizer: Any, out: Path, s: ExportSettings) ->
                                    "new_tokens": s.new_tokens, "repeats": s.repeats})
     except Exception as exc:  # noqa: BLE001 - a module ONNX cannot express is a finding, not a crash
         stage = "export" if not metrics["onnx_exported"] else "onnxruntime"
-        info["onnx_error"] = f"{stage}: {_one_line(exc)} (full traceback in {ERROR_FILE})"
+        info["onnx_error"] = f"{stage}: {one_line(exc)} (full traceback in {ERROR_FILE})"
         write_text(out / ERROR_FILE, "".join(traceback.format_exception(exc)))
     return metrics, info
 

@@ -1,0 +1,245 @@
+"""llama.cpp contenders through llama-cpp-python (the optional extra ``opus[llama]``).
+
+``LlamaCppLM`` drives llama.cpp's C API (``llama_decode`` on a ``llama_batch``) behind the engine's
+LM interface, so Opus's engine and metrics measure it like every other contender:
+
+- a batch of B prompts is B llama.cpp sequences (``n_seq_max = B``) decoded together — the prompt
+  in one (chunked) prefill, then one ``llama_decode`` of B tokens per step — with llama.cpp's own
+  KV cache; the engine picks each next token by argmax of the logits llama.cpp returns;
+- without a cache (perplexity, teacher-forced agreement) every position's logits are requested.
+
+The same token ids reach every contender: the evaluation blocks and prompts are tokenized once
+with the model directory's Hugging Face tokenizer. Whether the GGUF's own tokenizer gives the same
+ids for text is checked on a sample and reported in the row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from opus.bench.core import BenchContext, Built, Contender, Unavailable
+
+INSTALL_HINT = ("llama-cpp-python is not installed: pip install 'opus[llama]' (pip builds llama.cpp from "
+                "source, about 5 minutes on 2 cores)")
+SAMPLE = "def main():\n    print('héllo, wörld')  # 3.14 ✓\n\tif x >= 10:\n        return [a, b]\n"
+
+
+_LOG_CALLBACK: list[Any] = []  # ctypes must keep the callback alive as long as llama.cpp may call it
+
+
+def _quiet_logs(api: Any) -> None:
+    """llama.cpp logs every load and context at length (and warns about sizes it rounds): errors only."""
+    if not _LOG_CALLBACK:
+        def log(level: int, text: bytes, user_data: Any) -> None:
+            if level == 4:  # GGML_LOG_LEVEL_ERROR (ggml.h; llama_cpp._logger's table is older)
+                sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+        _LOG_CALLBACK.append(api.llama_log_callback(log))
+    api.llama_log_set(_LOG_CALLBACK[0], ctypes.c_void_p(0))
+
+
+class LlamaSession:
+    """The engine's "cache" for llama.cpp: its KV memory, cleared when a request starts."""
+
+    def __init__(self, lm: LlamaCppLM) -> None:
+        self.lm = lm
+        lm.clear()
+
+    def reset(self) -> None:
+        self.lm.clear()
+
+
+class LlamaCppLM(nn.Module):
+    def __init__(self, path: Path, n_seq_max: int, seq_len: int, n_batch: int, threads: int,
+                 vocab_size: int) -> None:
+        super().__init__()
+        import llama_cpp
+
+        self.api = api = llama_cpp
+        _quiet_logs(api)
+        if n_seq_max > api.llama_max_parallel_sequences():
+            raise Unavailable(f"llama.cpp takes at most {api.llama_max_parallel_sequences()} sequences at once")
+        api.llama_backend_init()
+        self.model_p = api.llama_model_load_from_file(str(path).encode(), api.llama_model_default_params())
+        if not self.model_p:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = api.llama_context_default_params()
+        params.n_seq_max = n_seq_max
+        params.n_ctx = n_seq_max * seq_len  # each sequence gets n_ctx / n_seq_max cells
+        params.n_batch = n_batch
+        params.n_ubatch = min(512, n_batch)
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        self.ctx = api.llama_init_from_model(self.model_p, params)
+        if not self.ctx:
+            api.llama_model_free(self.model_p)
+            raise RuntimeError("llama.cpp could not create a context")
+        self.vocab = api.llama_model_get_vocab(self.model_p)
+        self.n_vocab = api.llama_vocab_n_tokens(self.vocab)
+        if self.n_vocab < vocab_size:
+            self.close()
+            raise Unavailable(f"the GGUF vocabulary has {self.n_vocab} tokens, the model {vocab_size}")
+        self.vocab_size, self.n_batch = vocab_size, n_batch
+        self.batch = api.llama_batch_init(n_batch, 0, 1)
+
+    def clear(self) -> None:
+        self.api.llama_memory_clear(self.api.llama_get_memory(self.ctx), True)
+
+    def _decode(self, ids: np.ndarray, start_pos: int, want: np.ndarray) -> np.ndarray:
+        """Decode [B, T] ids at positions start_pos.. as sequences 0..B-1; logits of ``want`` ([B, T] bool)."""
+        rows, cols = ids.shape
+        flat_ids, flat_want = ids.reshape(-1), want.reshape(-1)
+        seq = np.repeat(np.arange(rows, dtype=np.int32), cols)
+        pos = np.tile(np.arange(start_pos, start_pos + cols, dtype=np.int32), rows)
+        out = []
+        b = self.batch
+        for lo in range(0, flat_ids.size, self.n_batch):
+            hi = min(lo + self.n_batch, flat_ids.size)
+            n = hi - lo
+            b.n_tokens = n
+            np.ctypeslib.as_array(b.token, shape=(n,))[:] = flat_ids[lo:hi]
+            np.ctypeslib.as_array(b.pos, shape=(n,))[:] = pos[lo:hi]
+            np.ctypeslib.as_array(b.n_seq_id, shape=(n,))[:] = 1
+            np.ctypeslib.as_array(b.logits, shape=(n,))[:] = flat_want[lo:hi]
+            for j in range(n):
+                b.seq_id[j][0] = int(seq[lo + j])
+            status = self.api.llama_decode(self.ctx, b)
+            if status != 0:
+                full = " (no room in the KV cache)" if status == 1 else ""
+                raise RuntimeError(f"llama_decode returned {status}{full}")
+            outputs = int(flat_want[lo:hi].sum())
+            if outputs:
+                logits = np.ctypeslib.as_array(self.api.llama_get_logits(self.ctx), shape=(outputs, self.n_vocab))
+                out.append(logits[:, : self.vocab_size].copy())
+        return np.concatenate(out) if out else np.empty((0, self.vocab_size), dtype=np.float32)
+
+    def forward(self, input_ids: torch.Tensor, cache: LlamaSession | None = None, start_pos: int = 0,
+                last_only: bool = False) -> torch.Tensor:
+        ids = input_ids.cpu().numpy().astype(np.int32)
+        rows, cols = ids.shape
+        want = np.zeros((rows, cols), dtype=np.int8)
+        if last_only:
+            want[:, -1] = 1
+        else:
+            want[:] = 1
+        if cache is None:  # a cache-less forward (perplexity): fresh memory before and after
+            self.clear()
+            logits = self._decode(ids, 0, want)
+            self.clear()
+        else:
+            logits = self._decode(ids, start_pos, want)
+        return torch.from_numpy(logits).view(rows, 1 if last_only else cols, self.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        size = len(data) + 8
+        buf = (self.api.llama_token * size)()
+        n = self.api.llama_tokenize(self.vocab, data, len(data), buf, size, False, False)
+        return list(buf[:n]) if n >= 0 else []
+
+    def close(self) -> None:
+        if getattr(self, "batch", None) is not None:
+            self.api.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            self.api.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model_p", None):
+            self.api.llama_model_free(self.model_p)
+            self.model_p = None
+
+
+def _token_check(lm: LlamaCppLM, tokenizer: Any, ctx: BenchContext) -> str:
+    """Tokenize one text both ways: the GGUF's tokenizer must give the HF tokenizer's ids."""
+    from opus.data import tokenize
+
+    text = SAMPLE
+    if ctx.inputs.eval_blocks is not None:
+        text += tokenizer.decode(ctx.inputs.eval_blocks[0, :200].tolist())
+    hf, gguf = tokenize(tokenizer, [text])[0], lm.tokenize(text)
+    if hf == gguf:
+        return f"token ids: llama.cpp's tokenizer gives the HF tokenizer's ids on a {len(hf)}-token sample"
+    at = next((i for i, (a, b) in enumerate(zip(hf, gguf)) if a != b), min(len(hf), len(gguf)))
+    return (f"token ids DIFFER: on a sample text HF gives {len(hf)} tokens, llama.cpp {len(gguf)}; first "
+            f"difference at token {at} (HF {hf[at:at + 3]}, llama.cpp {gguf[at:at + 3]}); the bench feeds both "
+            "the same ids, but text tokenized by llama.cpp would differ")
+
+
+def _load(ctx: BenchContext, path: Path, notes: list[str]) -> Built:
+    workload, settings = ctx.workload, ctx.settings
+    n_eval = ctx.eval_samples
+    eval_len = 0 if ctx.inputs.eval_blocks is None else int(ctx.inputs.eval_blocks.shape[1])
+    n_fid, fid_len = ctx.fidelity_prompts.shape
+    n_seq = max(workload.batch_size, min(settings.eval_batch_size, max(n_eval, 1)), n_fid)
+    seq_len = max(workload.input_len + workload.output_len, eval_len, fid_len + ctx.fidelity_tokens) + 1
+    biggest_call = max(workload.batch_size * workload.input_len, settings.eval_batch_size * eval_len,
+                       n_fid * (fid_len + ctx.fidelity_tokens))
+    lm = LlamaCppLM(path, n_seq, seq_len, min(4096, biggest_call), ctx.threads, ctx.vocab_size)
+    notes = [*notes, f"llama.cpp via llama-cpp-python {_version()}, {ctx.threads} threads; B prompts = B "
+             "sequences in one llama_batch per step, llama.cpp's KV cache; greedy argmax by Opus's engine"]
+    if ctx.tokenizer is not None:
+        notes.append(_token_check(lm, ctx.tokenizer, ctx))
+    return Built(lm, lambda batch, length: LlamaSession(lm), notes, {"model_mb": path.stat().st_size / 2**20},
+                 close=lm.close)
+
+
+def _version() -> str:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", "?")
+
+
+def _hf_dir(ctx: BenchContext) -> Path:
+    path = Path(ctx.source["hf"]).expanduser()
+    return path if path.is_absolute() else ctx.base_dir / path
+
+
+def _require_llama() -> None:
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise Unavailable(INSTALL_HINT)
+
+
+def _converted(outtype: str) -> Any:
+    def build(ctx: BenchContext) -> Built:
+        from opus.bench.gguf import convert, find_converter
+        from opus.fingerprint import fingerprint_source
+
+        _require_llama()
+        if "hf" not in ctx.source:
+            kind = next(iter(ctx.source))
+            raise Unavailable(f"the pipeline's model is a {kind} source, not a Hugging Face directory to convert; "
+                              "give --gguf FILE")
+        converter, where = ctx.shared.get("converter") or find_converter(ctx.converter, ctx.cache_dir)
+        ctx.shared["converter"] = (converter, where)
+        path, notes = convert(_hf_dir(ctx), outtype, converter, fingerprint_source(ctx.source, ctx.base_dir),
+                              ctx.cache_dir)
+        return _load(ctx, path, [f"converter: {where}", *notes])
+
+    return build
+
+
+def user_gguf(ctx: BenchContext) -> Built:
+    _require_llama()
+    path = ctx.gguf
+    if path is None and "gguf" in ctx.source:
+        path = Path(ctx.source["gguf"]) if Path(ctx.source["gguf"]).is_absolute() else ctx.base_dir / ctx.source["gguf"]
+    if path is None or not path.is_file():
+        raise Unavailable(f"no GGUF file: {path}")
+    return _load(ctx, path, [f"GGUF given: {path}"])
+
+
+def contenders(user_file: bool) -> tuple[Contender, ...]:
+    """The user's GGUF (--gguf, or a gguf model source), else F16 and Q8_0 made by llama.cpp's converter."""
+    if user_file:
+        return (Contender("llama-gguf", "llama.cpp on the given GGUF", "llama.cpp", user_gguf),)
+    return (Contender("llama-f16", "llama.cpp F16 GGUF", "llama.cpp", _converted("f16")),
+            Contender("llama-q8_0", "llama.cpp Q8_0 GGUF", "llama.cpp", _converted("q8_0")))
+

@@ -1,0 +1,123 @@
+"""The bench table as Markdown and JSON, and the speed-against-accuracy plot (PNG, matplotlib Agg)."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import asdict
+from typing import Any
+
+from opus.bench.core import Row
+
+METHODS = {
+    "P": "generated tokens/s of the workload: batch_size prompts of input_len tokens, output_len new tokens "
+         "each, prefill included (median of repeats after warm-up)",
+    "D": "time to first token of one request of input_len tokens (prefill + choosing the first token)",
+    "decode b1": "tokens/s of the decode steps of that single request (batch 1)",
+    "peak MB": "the process's peak resident memory while the batch workload runs (untimed warm-up run); "
+               "all contenders run in one process, one after the other, so it also holds what the process "
+               "kept from earlier contenders (freed heap is returned to the OS between contenders)",
+    "rise MB": "how far the peak rose above the resident memory at the start of the batch workload: what "
+               "the workload itself needed (activations, KV cache, runtime buffers)",
+    "model MB": "bytes of parameters and buffers (torch), of the ONNX graph, or of the GGUF file",
+    "ppl": "perplexity over the evaluation blocks (the same token ids for every contender)",
+    "agree": "teacher-forced greedy agreement: on the baseline's own greedy continuation of the fidelity "
+             "prompts, the fraction of positions where the contender's argmax equals the baseline's",
+    "agree free": "free-running greedy agreement: the contender generates from the same prompt ids and each "
+                  "token is compared with the baseline's at the same position",
+    "×": "ratio to the fp32 baseline measured in the same run",
+}
+PROMPTS = {"text": "cut from the evaluation text", "random": "seeded random token ids"}
+COLUMNS = (("throughput_tok_s", "P tok/s", "{:.1f}"), ("ttft_ms", "D ms", "{:.1f}"),
+           ("decode_tok_s", "decode b1 tok/s", "{:.1f}"), ("peak_mem_mb", "peak MB", "{:.0f}"),
+           ("model_mb", "model MB", "{:.1f}"))
+
+
+def _num(value: Any, fmt: str) -> str:
+    return fmt.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "—"
+
+
+def _verdict(row: Row, budget: float) -> str:
+    if row.status != "ok":
+        return row.status
+    return {"within": "✓ within", "over": "✗ over"}.get(row.verdict, "n/a")
+
+
+def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
+    budget = report["budget"]["value"]
+    w = report["workload"]
+    lines = [f"# opus bench: {report['pipeline']}", "",
+             f"- workload: batch {w['batch_size']}, input {w['input_len']}, output {w['output_len']}, "
+             f"warm-up {w['warmup']}, repeats {w['repeats']}; prompts: {PROMPTS[report['prompt_source']]}",
+             f"- evaluation: {report['evaluation']}",
+             f"- agreement: {report['fidelity']}",
+             f"- accuracy budget: perplexity +{budget * 100:g} % ({report['budget']['source']})",
+             f"- Opus run: {report['run'] or report['no_run_reason']}",
+             f"- {report['environment']}"]
+    recheck = report.get("baseline_recheck")
+    if recheck and recheck.get("drift") is not None:
+        lines.append(f"- fp32 P measured again after all contenders: {recheck['throughput_tok_s']:.1f} tok/s, "
+                     f"{recheck['drift'] * 100:+.1f} % against the first measurement (noise in every ratio)")
+    lines.append("")
+    head = ["contender"] + [f"{label} | ×" for _, label, _ in COLUMNS[:4]] + [
+        "rise MB", COLUMNS[4][1], "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(" | ".join(head).split(" | ")))
+    for row in rows:
+        if row.status != "ok":
+            lines.append(f"| {row.name} | " + " | ".join(["—"] * 14) + f" | {row.status}: {row.reason} |")
+            continue
+        m, r = row.metrics, row.ratios
+        cells = [row.name]
+        for key, _, fmt in COLUMNS[:4]:
+            cells += [_num(m.get(key), fmt), _num(r.get(key), "{:.2f}")]
+        cells += [_num(m.get("peak_mem_rise_mb"), "{:.0f}"), _num(m.get("model_mb"), COLUMNS[4][2]),
+                  _num(m.get("perplexity"), "{:.3f}"),
+                  _num(None if row.ppl_increase is None else row.ppl_increase * 100, "{:+.2f} %"),
+                  _num(m.get("agreement"), "{:.3f}"), _num(m.get("agreement_free"), "{:.3f}"), _verdict(row, budget)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Contenders", ""]
+    for row in rows:
+        took = f" ({row.seconds:.1f} s)" if row.seconds else ""
+        lines.append(f"- **{row.name}** — {row.label}{took}" + (f": {row.status}: {row.reason}" if row.reason else ""))
+        lines += [f"  - {note}" for note in row.notes]
+    lines += ["", "## How each figure is measured", ""]
+    lines += [f"- **{name}**: {text}" for name, text in METHODS.items()]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(report: dict[str, Any], rows: list[Row]) -> str:
+    return json.dumps({**report, "methods": METHODS, "rows": [asdict(r) for r in rows]}, indent=2, default=str) + "\n"
+
+
+def plot(rows: list[Row], budget: float) -> bytes:
+    """P and decode speed (×baseline) against perplexity increase (%), one point per measured contender."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    fig = Figure(layout="constrained", figsize=(11, 4.4))
+    measured = [r for r in rows if r.status == "ok" and r.ppl_increase is not None]
+    for index, (key, title) in enumerate((("throughput_tok_s", "P (batch workload)"),
+                                          ("decode_tok_s", "decode at batch 1"))):
+        ax = fig.add_subplot(1, 2, index + 1)
+        for row in measured:
+            speed = row.ratios.get(key)
+            if speed is None:
+                continue
+            x = row.ppl_increase * 100
+            color = "tab:green" if row.verdict == "within" else "tab:red"
+            ax.scatter([x], [speed], color=color, zorder=3)
+            ax.annotate(row.name, (x, speed), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.axvline(budget * 100, color="gray", linestyle="--", linewidth=0.8, label=f"budget +{budget * 100:g} %")
+        ax.axhline(1.0, color="black", linewidth=0.6)
+        ax.set_xscale("symlog", linthresh=1.0)  # int8 activations can cost 100s of % next to fractions of 1 %
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.set_xlabel("perplexity increase (%)")
+        ax.set_ylabel("speed × fp32 baseline")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="best")
+        ax.grid(alpha=0.3)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()

@@ -1,0 +1,125 @@
+"""``opus bench`` on a tiny model: the table's rows, ratios, reasons, and the md/json/png outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from opus.atomic import write_json
+from opus.bench import llamacpp, torch_contenders
+from opus.bench.core import Row, Unavailable, judge
+from opus.bench.run import all_contenders, select
+from opus.bench.target import pipeline_budget
+from opus.cli import main
+from opus.errors import InputError
+from opus.kvcache import kv_cache_step
+from opus.spec import load_pipeline
+from tests.bench.project import make_project
+
+EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "compile", "onnx-fp32", "onnx-int8", "llama-f16",
+         "llama-q8_0", "opus"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)  # the bench sets the pipeline's thread count
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory) -> Path:
+    return make_project(tmp_path_factory.mktemp("bench"))
+
+
+def _bench(*args: str) -> int:
+    return main(["bench", *map(str, args), "--quiet", "--group-size", "32"])
+
+
+def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> None:
+    # What this machine may or may not have is made explicit: no C++ compiler, no llama-cpp-python.
+    monkeypatch.setattr(torch_contenders, "find_cxx", lambda: None)
+
+    def no_llama() -> None:
+        raise Unavailable(llamacpp.INSTALL_HINT)
+
+    monkeypatch.setattr(llamacpp, "_require_llama", no_llama)
+    out = tmp_path / "out"
+    assert _bench(pipeline, "--runs-dir", tmp_path / "runs", "--out", out, "--format", "json") == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (out / "bench.md").is_file() and (out / "bench.png").stat().st_size > 1000
+    report = json.loads((out / "bench.json").read_text())
+    assert report == printed
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == EVERY
+    base = rows["fp32"]
+    assert base["status"] == "ok" and base["verdict"] == "within"
+    assert all(v == pytest.approx(1.0) for v in base["ratios"].values())
+    assert set(base["ratios"]) >= {"throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity"}
+    assert base["metrics"]["agreement"] == 1.0
+    assert report["budget"] == {"value": 0.05, "source": "stage 'check' gate perplexity.max_increase"}
+    for name in ("bf16", "torch-int8", "w8a16", "w4a16", "onnx-fp32", "onnx-int8"):
+        row = rows[name]
+        assert row["status"] == "ok", (name, row["reason"])
+        assert row["metrics"]["throughput_tok_s"] > 0 and row["metrics"]["perplexity"] > 0
+        assert 0 <= row["metrics"]["agreement"] <= 1 and row["verdict"] in ("within", "over")
+    # The exported fp32 graph computes what the fp32 model does.
+    assert rows["onnx-fp32"]["ratios"]["perplexity"] == pytest.approx(1.0, abs=1e-4)
+    assert rows["onnx-fp32"]["metrics"]["agreement"] == 1.0
+    assert any("without a KV cache" in note for note in rows["onnx-fp32"]["notes"])
+    assert "C++ compiler" in rows["compile"]["reason"]
+    assert all("llama-cpp-python is not installed" in rows[n]["reason"] for n in ("llama-f16", "llama-q8_0"))
+    assert "no finished run of pipeline 'tinybench'" in rows["opus"]["reason"]
+    markdown = (out / "bench.md").read_text()
+    assert "| fp32 |" in markdown and "skipped: llama-cpp-python is not installed" in markdown
+
+
+def test_a_run_directory_benches_its_final_model(pipeline, tmp_path, capsys) -> None:
+    run = tmp_path / "runs" / "tinybench-1"
+    stage = run / "stages" / "01-kv"
+    stage.mkdir(parents=True)
+    base_dir = str(pipeline.parent)
+    write_json(run / "run.json", {"run_id": run.name, "base_dir": base_dir, "name": "tinybench", "starts": [1.0],
+                                  "pipeline": str(pipeline)})
+    (run / "pipeline.yaml").write_text(pipeline.read_text())
+    state = {"source": {"hf": "model"}, "recipe": [kv_cache_step({"kind": "growing"})], "tensors": None,
+             "aliases": {}}
+    write_json(stage / "state.json", state)
+    write_json(run / "summary.json", {"status": "finished", "stages": [
+        {"id": "kv", "status": "done", "dir": str(stage), "metrics": {}}]})
+    assert _bench(run, "--only", "opus", "--format", "json", "--budget", "0") == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert list(rows) == ["fp32", "opus"]
+    opus = rows["opus"]
+    assert opus["status"] == "ok" and "recipe: kv_cache" in opus["notes"][0]
+    # The same weights through the same engine: the same perplexity and tokens.
+    assert opus["ratios"]["perplexity"] == pytest.approx(1.0) and opus["metrics"]["agreement"] == 1.0
+    assert opus["verdict"] == "within"
+    # A pipeline finds the same run as its latest finished one.
+    assert _bench(pipeline, "--runs-dir", tmp_path / "runs", "--only", "opus", "--format", "json") == 0
+    assert json.loads(capsys.readouterr().out)["run"] == str(run)
+
+
+def test_selection_and_budget(pipeline) -> None:
+    contenders = all_contenders(user_gguf=False)
+    names = [c.name for c in select(contenders, ["llama", "w4a16"])]
+    assert names == ["fp32", "w4a16", "llama-f16", "llama-q8_0"]
+    assert [c.name for c in select(contenders, ["onnxruntime"])] == ["fp32", "onnx-fp32", "onnx-int8"]
+    assert [c.name for c in all_contenders(user_gguf=True) if c.family == "llama.cpp"] == ["llama-gguf"]
+    with pytest.raises(InputError, match="unknown contender 'tensorrt'"):
+        select(contenders, ["tensorrt"])
+    assert pipeline_budget(load_pipeline(pipeline)) == (0.05, "stage 'check' gate perplexity.max_increase")
+
+
+def test_verdict_against_the_budget() -> None:
+    rows = [Row("fp32", "", "torch", metrics={"perplexity": 10.0, "throughput_tok_s": 100.0}),
+            Row("a", "", "torch", metrics={"perplexity": 10.05, "throughput_tok_s": 150.0}),
+            Row("b", "", "torch", metrics={"perplexity": 10.2}),
+            Row("c", "", "torch", status="skipped", reason="no GPU")]
+    judge(rows, 0.01)
+    assert [r.verdict for r in rows] == ["within", "within", "over", "n/a"]
+    assert rows[1].ratios["throughput_tok_s"] == pytest.approx(1.5)
+    assert rows[2].ppl_increase == pytest.approx(0.02)
