@@ -77,7 +77,9 @@ class Int8WeightOnlyLinear(QuantLinear):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
-            return torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+            # A16: the CPU kernel is 10-30x faster with bf16 than with fp32 activations (measured).
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale.to(torch.bfloat16))
+            return y.to(x.dtype)
         # CUDA has no int8-weight GEMM in torch: convert in the GEMM's prologue (int8 storage).
         return (x @ self.qweight.to(x.dtype).t()) * self.scale.to(x.dtype)
 
@@ -126,9 +128,12 @@ class Int4WeightOnlyLinear(QuantLinear):
         return out
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        sz = self.scales_and_zeros.to(x.dtype)
         if x.device.type == "cpu":
-            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._kernel_weight, self.group_size, sz)
+            sz = self.scales_and_zeros.to(torch.bfloat16)  # A16, as for int8 weights: bf16 is the fast path
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self._kernel_weight,
+                                                            self.group_size, sz)
+            return y.to(x.dtype)
+        sz = self.scales_and_zeros.to(x.dtype)
         return torch._weight_int4pack_mm(x.to(torch.bfloat16), self._kernel_weight, self.group_size,
                                          sz.to(torch.bfloat16)).to(x.dtype)
 
@@ -159,7 +164,19 @@ class Int8DynamicLinear(QuantLinear):
         q, scale = int8_per_channel(weight)
         self.qweight_t, self.scale = q.t().contiguous(), scale.reshape(1, -1)
 
+    # Rows per GEMM: a 16k-row prefill in one piece allocates a fresh 50 MB int32 accumulator per call,
+    # and its first-touch page faults cost more than the GEMM (measured 3x slower than fp32 on CPU).
+    CHUNK_ROWS = 2048
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.CHUNK_ROWS:
+            return self._matmul(x)
+        out = x.new_empty(x.shape[0], self.out_features)
+        for start in range(0, x.shape[0], self.CHUNK_ROWS):
+            out[start:start + self.CHUNK_ROWS] = self._matmul(x[start:start + self.CHUNK_ROWS])
+        return out
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         q, x_scale = int8_per_token(x) if self.per_token else int8_per_tensor(x)
         acc = torch._int_mm(q, self.qweight_t)
         return (acc * x_scale).mul_(self.scale).to(x.dtype)  # int32 × fp32 promotes in one op

@@ -48,7 +48,8 @@ def test_int4_kernel_matches_its_dequantization() -> None:
     module = FORMATS["w4a16"].build(linear, 128)
     x = torch.randn(7, 256)
     dense = dequant_int4(module.qweight, module.scales_and_zeros, 128)
-    assert torch.allclose(module(x), x @ dense.t(), atol=1e-4)
+    expected = x.bfloat16().float() @ dense.t()  # A16: the kernel takes bf16 activations
+    assert float((module(x) - expected).norm() / expected.norm()) < 1e-2
     packed, _ = int4_groupwise(linear.weight, 128)
     assert packed.shape == (64, 128)
 
