@@ -10,6 +10,7 @@ from torch import nn
 
 EXPERT = re.compile(r"^(?P<layer>.*\.mlp)\.experts\.\d+\.(?P<proj>\w+)$")
 QKV = re.compile(r"^(?P<attn>.*\.self_attn)\.[qkv]_proj$")
+GATE_UP = re.compile(r"^(?P<mlp>.*\.(mlp|shared_expert))\.(gate|up)_proj$")
 
 
 @dataclass
@@ -39,6 +40,8 @@ def _group_name(name: str) -> str:
         return f"{match['layer']}.experts.{proj}"
     if match := QKV.match(name):
         return f"{match['attn']}.qkv"
+    if match := GATE_UP.match(name):  # a dense or shared-expert SwiGLU: gate and up read one input
+        return f"{match['mlp']}.gate_up"
     return name
 
 

@@ -97,7 +97,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
                 notes.append(f"{group.name}: {fmt} not possible: {reason}")
                 continue
             if fmt == "fp32" or fmt == force or fmt in scores.get(group.name, {}):
-                times[fmt] = group_time_ms(timer, fmt, linears, group.role, workload, experts, top_k)
+                times[fmt] = group_time_ms(timer, fmt, group.modules, linears, group.role, workload, experts,
+                                           top_k)
         candidates = [Candidate(f, t, _cost(request.budget_kind, f, params,
                                             scores.get(group.name, {}).get(f, {}).get("dce")),
                                 scores.get(group.name, {}).get(f, {}).get("dce"),

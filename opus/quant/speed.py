@@ -69,13 +69,27 @@ def workload_rows(role: str, workload: Any, experts: int, top_k: int) -> tuple[i
     return prefill, decode
 
 
-def group_time_ms(timer: KernelTimer, fmt: str, linears: list[nn.Linear], role: str, workload: Any,
-                  experts: int, top_k: int) -> float:
-    """Time of the group's layers over the workload: one prefill plus output_len decode steps."""
+def merged_shapes(names: list[str], linears: list[nn.Linear]) -> list[tuple[int, int]]:
+    """(in, out) of the GEMMs that will run: layers under one parent that read one input (q/k/v,
+    an expert's gate/up) are merged by the fuse stage into one GEMM with one activation quantization."""
+    by_parent: dict[str, list[nn.Linear]] = {}
+    for name, linear in zip(names, linears):
+        by_parent.setdefault(name.rpartition(".")[0], []).append(linear)
+    shapes = []
+    for members in by_parent.values():
+        if len({m.in_features for m in members}) == 1:
+            shapes.append((members[0].in_features, sum(m.out_features for m in members)))
+        else:
+            shapes.extend((m.in_features, m.out_features) for m in members)
+    return shapes
+
+
+def group_time_ms(timer: KernelTimer, fmt: str, names: list[str], linears: list[nn.Linear], role: str,
+                  workload: Any, experts: int, top_k: int) -> float:
+    """Time of the group's GEMMs over the workload: one prefill plus output_len decode steps."""
     prefill_rows, decode_rows = workload_rows(role, workload, experts, top_k)
     total = 0.0
-    for linear in linears:
-        dims = (linear.in_features, linear.out_features)
+    for dims in merged_shapes(names, linears):
         total += timer(fmt, Shape(*dims, prefill_rows))
         total += workload.output_len * timer(fmt, Shape(*dims, decode_rows))
     return total

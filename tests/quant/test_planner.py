@@ -86,3 +86,19 @@ def test_make_plan_on_a_tiny_moe(tmp_path) -> None:  # noqa: ANN001
     edited["groups"][0]["format"] = "int3"
     with pytest.raises(ValueError, match="unknown format 'int3'"):
         assignment_from_plan(edited)
+
+
+def test_kernel_timing_sees_the_merged_gemms_fusion_will_run() -> None:
+    from torch import nn
+
+    from opus.quant.speed import merged_shapes
+
+    model = tiny_decoder("llama")
+    names = {g.name: g for g in build_groups(model, [], [])}
+    assert names["model.layers.0.mlp.gate_up"].modules == ["model.layers.0.mlp.gate_proj",
+                                                           "model.layers.0.mlp.up_proj"]
+    qkv = names["model.layers.0.self_attn.qkv"].modules
+    linears = [model.get_submodule(n) for n in qkv]
+    assert merged_shapes(qkv, linears) == [(128, 128 + 64 + 64)]
+    experts = ["m.experts.0.gate_proj", "m.experts.0.up_proj", "m.experts.1.gate_proj", "m.experts.1.up_proj"]
+    assert merged_shapes(experts, [nn.Linear(8, 16)] * 4) == [(8, 32), (8, 32)]
