@@ -30,7 +30,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        y = self.matmul(flat)
+        # An expert that no token was routed to gets an empty input; not every kernel accepts one.
+        y = self.matmul(flat) if flat.shape[0] else flat.new_zeros(0, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -31,6 +31,13 @@ def test_format_error_within_bound(fmt: str) -> None:
     assert torch.equal(rebuilt(x), out)
 
 
+@pytest.mark.parametrize("fmt", sorted(BOUNDS))
+@torch.no_grad()
+def test_empty_input_gives_empty_output(fmt: str) -> None:
+    module = FORMATS[fmt].build(nn.Linear(128, 64), 64)
+    assert module(torch.zeros(0, 128)).shape == (0, 64)
+
+
 def test_packed_storage_is_small() -> None:
     linear = nn.Linear(256, 256, bias=False)
     int8 = FORMATS["w8a8"].build(linear, 128)
