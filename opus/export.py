@@ -115,7 +115,10 @@ def onnx_translations() -> dict[Any, Callable[..., Any]]:
         return op.MatMulInteger(a, b)
 
     def weight_int8pack_mm(x: Any, weight: Any, scales: Any) -> Any:
-        return op.Mul(op.MatMul(x, op.Transpose(op.CastLike(weight, x), perm=[1, 0])), scales)
+        # The kernel takes bf16 activations; onnxruntime's CPU MatMul has no bf16, so compute in fp32.
+        x32 = op.Cast(x, to=1)  # 1 = FLOAT
+        w32 = op.Transpose(op.Cast(weight, to=1), perm=[1, 0])
+        return op.CastLike(op.Mul(op.MatMul(x32, w32), op.Cast(scales, to=1)), x)
 
     return {torch.ops.aten._int_mm.default: int_mm, torch.ops.aten._weight_int8pack_mm.default: weight_int8pack_mm}
 

@@ -45,7 +45,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         threads=cfg.threads or spec.run.threads, last_only=cfg.last_only,
         progress=lambda what: ctx.progress(0, None, what))
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
-    info["export_dir"] = str(final)
+    # Inside the checkpoint the directory is still temporary: record where it will be once committed.
+    info["export_dir"] = str(final) if cfg.dir else f"{ctx.stage_id} checkpoint: artifacts/export"
     if info.get("onnx_error"):
         ctx.log(f"ONNX: {info['onnx_error']}")
     return StageResult(metrics=metrics, info=info)

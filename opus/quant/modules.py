@@ -31,7 +31,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         # An expert that no token was routed to gets an empty input; not every kernel accepts one.
-        y = self.matmul(flat) if flat.shape[0] else flat.new_zeros(0, self.out_features)
+        # (Exporters trace with symbolic row counts: no branch on them there.)
+        if torch.compiler.is_compiling() or flat.shape[0]:
+            y = self.matmul(flat)
+        else:
+            y = flat.new_zeros(0, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -170,7 +174,7 @@ class Int8DynamicLinear(QuantLinear):
     CHUNK_ROWS = 2048
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.CHUNK_ROWS:
+        if torch.compiler.is_compiling() or x.shape[0] <= self.CHUNK_ROWS:
             return self._matmul(x)
         out = x.new_empty(x.shape[0], self.out_features)
         for start in range(0, x.shape[0], self.CHUNK_ROWS):

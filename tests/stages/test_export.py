@@ -98,6 +98,20 @@ def test_int8_quantized_model_exports_with_parity(tmp_path: Path) -> None:
         assert torch.equal(reloaded(ids), model(ids))
 
 
+def test_quantized_moe_exports_with_parity(tmp_path: Path) -> None:
+    """Int8 experts: data-dependent row counts must not become branches in the exported graph."""
+    from opus.quant.apply import quantize_model
+    from tests.quant.tiny import tiny_decoder
+
+    model = tiny_decoder("mixtral")
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".experts." in n]
+    step = quantize_model(model, {n: "w8a8" for n in names}, None)
+    metrics, info = export_model(model, None, {"recipe": [step]}, tmp_path / "export",
+                                 _settings({"factory": "tests.quant.tiny:tiny_decoder", "args": {"family": "mixtral"}}))
+    assert "onnx_error" not in info, info.get("onnx_error")
+    _assert_parity(metrics)
+
+
 @torch.library.custom_op("opus_test::unexportable", mutates_args=())
 def _unexportable(x: torch.Tensor) -> torch.Tensor:
     return x * 2
