@@ -25,13 +25,7 @@ from opus.transforms import apply_step
 sys.path.insert(0, str(Path(__file__).parent / "fusion"))
 from fusion_kit import prompts, tiny_lm  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def kv(tokens: int, batch: int = 2, heads: int = 2, dim: int = 4, fill: float = 1.0) -> torch.Tensor:

@@ -19,13 +19,7 @@ from opus.fusion import (
 )
 from opus.fusion.linear_ops import _GROUPED_OK, grouped_linear
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared 2-core machine: OpenMP barriers dominate
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def fuse(model, **cfg):

@@ -15,13 +15,7 @@ from opus.spec import load_pipeline
 from opus.state import STATE_FILE, TENSORS_FILE, changed_tensors, materialize
 from opus.transforms import apply_step
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _marks(model):

@@ -6,8 +6,6 @@ greedy tokens and logits prove the captured code's arithmetic. CUDA-only checks 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,13 +28,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny ops: one thread avoids OpenMP spin-waits (20x slower on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny_moe(name: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DecoderLM:

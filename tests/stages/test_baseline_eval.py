@@ -41,13 +41,7 @@ stages:
 """
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process stage runs, like the workers above, use one thread (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

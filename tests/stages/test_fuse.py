@@ -5,19 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from fusion_project import context, make_project
 
 from opus.fusion import PATTERNS, GroupedMoE
 from stages import fuse
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture

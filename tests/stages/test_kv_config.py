@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from fusion_project import context, make_project
 
 from opus.fusion import GroupedMoE
@@ -18,12 +17,7 @@ SMALL = {"batch_sizes": [1, 2], "input_len": 6, "output_len": 3, "repeats": 1, "
          "prealloc": [4], "step": [2, 8]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_measures_candidates_and_records_the_choice(tmp_path):
