@@ -53,8 +53,6 @@ class RunDisplay:
             return
         self.progress.update(task, completed=message.get("done") or 0, total=message.get("total"),
                              what=message.get("what", ""))
-        if not self.progress.live.is_started and not self.quiet and message.get("what"):
-            pass  # non-terminal output: per-stage lines below are enough
 
     def finished(self, stage_id: str, status: str, metrics: dict[str, Any], seconds: float | None,
                  note: str = "") -> None:

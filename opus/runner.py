@@ -119,12 +119,12 @@ class Runner:
         key = stage_key(stage, stage_type, cfg, input_keys, self.context)
         index = self.graph.nodes[stage_id]["index"]
         final = self.stages_dir / f"{index:02d}-{stage_id}"
-        if self._reuse(stage_id, final, key):
+        if self._reuse(stage_id, key):
             return
         incoming = Path(self.records[stage.needs[-1]].dir) if stage.needs else None
         self._execute(stage_id, key, final, incoming)
 
-    def _reuse(self, stage_id: str, final: Path, key: str) -> bool:
+    def _reuse(self, stage_id: str, key: str) -> bool:
         found = sorted(self.stages_dir.glob(f"[0-9][0-9]-{stage_id}"))
         for path in found:
             if read_manifest_key(path) != key:

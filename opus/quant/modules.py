@@ -67,7 +67,7 @@ class QuantLinear(nn.Module):
 
 
 class Int8WeightOnlyLinear(QuantLinear):
-    """W8A16: int8 weights per output channel, float activations; ``_weight_int8pack_mm`` on CPU."""
+    """W8A16: int8 weights per output channel, bf16 activations; ``_weight_int8pack_mm`` on CPU."""
 
     fmt = "w8a16"
     OUT_AXES = {"qweight": 0, "scale": 0}
