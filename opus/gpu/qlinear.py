@@ -5,10 +5,9 @@ CUDA sm_89+), ``w8a8`` (int8 per-channel weights, per-token int8 activations, ``
 ``w4a16`` (int4 per group, ``_weight_int4pack_mm``). Two CUDA details are handled here rather than in
 opus.quant (which this package does not own):
 
-* ``torch._int_mm`` on CUDA needs more than 16 rows: ``MinRows`` pads the activation (static shapes).
-* ``Int8DynamicLinear`` keeps its weight ``[in, out]`` row-major; cuBLAS's int8 GEMM wants the second
-  operand column-major (``weight.t()`` of a row-major ``[out, in]``) and is several times slower
-  otherwise, so on CUDA the buffer is replaced by a column-major view with the same values.
+* ``torch._int_mm`` on CUDA needs more than 16 rows, and ``Int8DynamicLinear`` would run inputs that
+  small through its weight-only branch (a dequantized copy of the weight per call on CUDA): ``MinRows``
+  pads the activation (static shapes) so the int8 GEMM always runs.
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ def quantize_linear(linear: nn.Linear, fmt: str | None) -> tuple[nn.Module, str 
         module = FORMATS[fmt].build(linear, group_size_for(linear.in_features))
     module.requires_grad_(False)
     if isinstance(module, Int8DynamicLinear) and linear.weight.device.type == "cuda":
-        module.qweight_t = module.qweight_t.t().contiguous().t()  # same values, column-major for cuBLASLt
         return MinRows(module), None
     return module, None
 
@@ -124,10 +122,8 @@ def dequantize(module: nn.Module) -> torch.Tensor:
         return dequantize(module.inner)
     if isinstance(module, nn.Linear):
         return module.weight
-    if isinstance(module, Fp8Linear):
+    if isinstance(module, (Fp8Linear, Int8DynamicLinear)):
         return module.qweight.float() * module.scale.reshape(-1, 1)
-    if isinstance(module, Int8DynamicLinear):
-        return module.qweight_t.float().t() * module.scale.reshape(-1, 1)
     if isinstance(module, Int4WeightOnlyLinear):
         return dequant_int4(module.qweight, module.scales_and_zeros, module.group_size)
     raise TypeError(f"cannot dequantize {type(module).__name__}")

@@ -18,7 +18,7 @@ BOUNDS = {"w8a16": 0.01, "w8a8": 0.02, "w8a8_tensor": 0.03, "w4a16": 0.12, "bf16
 def test_format_error_within_bound(fmt: str) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(256, 192)
-    x = torch.randn(3, 5, 256)
+    x = torch.randn(3, 20, 256)  # 60 rows: W8A8 quantizes these activations (see the decode-size test)
     ref = linear(x)
     module = FORMATS[fmt].build(linear, 128)
     assert type(module) is not nn.Linear
@@ -65,12 +65,31 @@ def test_int4_kernel_matches_its_dequantization() -> None:
 def test_per_token_beats_per_tensor_on_outlier_rows() -> None:
     torch.manual_seed(2)
     linear = nn.Linear(128, 128)
-    x = torch.randn(16, 128)
+    x = torch.randn(64, 128)
     x[0] *= 200.0  # one loud token ruins a shared activation scale
     ref = linear(x)[1:]
     err = {f: float((FORMATS[f].build(linear, 128)(x)[1:] - ref).norm() / ref.norm())
            for f in ("w8a8", "w8a8_tensor")}
     assert err["w8a8"] * 5 < err["w8a8_tensor"]
+
+
+@torch.no_grad()
+def test_w8a8_runs_decode_sized_inputs_weight_only() -> None:
+    """Few rows: the same int8 weights with bf16 activations; many rows: int8 activations too."""
+    from opus.quant.modules import Int8DynamicLinear
+
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 128, bias=False)
+    module = FORMATS["w8a8"].build(linear, 128)
+    dense = module.qweight.float() * module.scale.reshape(-1, 1)
+    small = torch.randn(Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS, 256)
+    weight_only = small.bfloat16().float() @ dense.t()
+    assert float((module(small) - weight_only).norm() / weight_only.norm()) < 1e-2
+    big = torch.randn(Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS + 8, 256)
+    q = torch.clamp(torch.round(big / (big.abs().amax(-1, keepdim=True) / 127)), -127, 127)
+    int8_act = (q * big.abs().amax(-1, keepdim=True) / 127) @ dense.t()
+    assert float((module(big) - int8_act).norm() / int8_act.norm()) < 1e-5
+    assert float((module(big) - big @ dense.t()).norm() / int8_act.norm()) > 1e-4  # activations rounded
 
 
 def test_fp8_refused_off_cuda() -> None:

@@ -77,7 +77,7 @@ def test_quantized_model_round_trips_through_recipe_and_tensors() -> None:
     step = quantize_model(model, assignment, stats)
     out = model(data)
     tensors, aliases = changed_tensors(model, marks)
-    assert "model.layers.0.self_attn.q_proj.qweight_t" in tensors
+    assert "model.layers.0.self_attn.q_proj.qweight" in tensors
     assert "model.layers.0.input_layernorm.weight" in tensors  # smoothing folded into the norm
     assert "model.layers.1.mlp.experts.0.up_proj.weight" not in tensors  # untouched: not saved again
     fresh = rebuild(tiny_decoder("mixtral", outlier=20.0), step)
