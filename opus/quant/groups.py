@@ -54,15 +54,21 @@ def tied_to_embedding(model: nn.Module, name: str) -> bool:
     return any(isinstance(m, nn.Embedding) and m.weight is weight for m in model.modules())
 
 
-def build_groups(model: nn.Module, include: list[str], exclude: list[str]) -> list[QGroup]:
-    """All nn.Linear layers selected by the globs, grouped; tied embeddings are never quantized."""
+def build_groups(model: nn.Module, include: list[str], exclude: list[str], *,
+                 tied: bool = False) -> list[QGroup]:
+    """All nn.Linear layers selected by the globs, grouped.
+
+    A linear tied to the embedding (a tied lm_head) is a group only with ``tied``: quantizing it gives
+    the head its own packed copy while the embedding keeps the float table (the lookup needs it), so it
+    costs memory instead of saving it — a trade for the planner, not for a uniform format.
+    """
     groups: dict[str, QGroup] = {}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
         if (include and not matches(name, include)) or matches(name, exclude):
             continue
-        if tied_to_embedding(model, name):
+        if not tied and tied_to_embedding(model, name):
             continue
         key = _group_name(name)
         groups.setdefault(key, QGroup(key, role=role_of(name))).modules.append(name)

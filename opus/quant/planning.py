@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from opus.quant.planner import Candidate, GroupChoice, budget_limit, plan_docume
 from opus.quant.sensitivity import measure_sensitivity
 from opus.quant.smooth import apply_smoothing, smooth_groups
 from opus.quant.speed import KernelTimer, group_time_ms
+from opus.quant.validate import PLAN, check_end_to_end
 
 Progress = Callable[[float, float, str], None]
 ACT_FORMATS = ("w8a8", "w8a8_tensor", "fp8")
@@ -31,6 +33,7 @@ class PlanRequest:
     budget_value: float = 0.02
     safety: float = 0.7
     group_size: int = 128
+    validate: bool = False  # time the plan and the uniform alternatives end to end (opus.quant.validate)
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -65,9 +68,11 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     dtype = next(model.parameters()).dtype
     notes: list[str] = []
     formats = usable_formats(request.formats, device, notes)
-    groups = build_groups(model, request.include, request.exclude)
+    # A tied lm_head costs memory when quantized (its own copy): planned under a perplexity budget only.
+    groups = build_groups(model, request.include, request.exclude, tied=request.budget_kind == "ppl")
     forced = {g.name: _forced(g, request.force) for g in groups}
     free = [g for g in groups if not forced[g.name]]
+    pristine = copy.deepcopy(model) if request.validate else None  # before smoothing, below, changes it
     plain = [f for f in formats if f not in ACT_FORMATS]
     act = [f for f in formats if f in ACT_FORMATS]
     total = len(free) * len(formats)
@@ -110,8 +115,19 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     value = request.budget_value * (request.safety if request.budget_kind == "ppl" else 1.0)
     limit = budget_limit(request.budget_kind, value, total_params)
     chosen = solve(choices, limit)
+    report = None
+    if pristine is not None:
+        chosen, report, more = check_end_to_end(pristine, choices, chosen, formats, limit, stats,
+                                                request.group_size, workload, blocks, progress)
+        notes.extend(more)
     budget = {"kind": request.budget_kind, "value": request.budget_value, "safety": request.safety}
     doc = plan_document(choices, chosen, budget, limit)
+    if report:
+        doc["measured"] = report
+        if report["kept"] != PLAN:
+            for entry in doc["groups"]:
+                if not entry["reason"].startswith("forced"):
+                    entry["reason"] = f"{report['kept']} measured fastest end to end; kernel view: {entry['reason']}"
     doc["notes"] = notes
     doc["group_size"] = request.group_size
     return doc

@@ -39,20 +39,23 @@ class _Trial:
     def __init__(self, model: nn.Module, group: QGroup, fmt: str, group_size: int) -> None:
         self.layers = [model.get_submodule(n) for n in group.modules]
         self.fmt, self.group_size = fmt, group_size
-        self.saved: list[torch.Tensor] = []
+        self.saved: list[nn.Parameter] = []
         self.hooks: list = []
 
     def __enter__(self) -> _Trial:
         for layer in self.layers:
-            self.saved.append(layer.weight.data)
-            layer.weight.data = fake_quant_weight(self.fmt, layer.weight.data, self.group_size)
+            # A new Parameter, not new .data: a tied lm_head shares its Parameter with the embedding,
+            # whose lookup must keep the float table.
+            self.saved.append(layer.weight)
+            layer.weight = nn.Parameter(fake_quant_weight(self.fmt, layer.weight.data, self.group_size),
+                                        requires_grad=False)
             self.hooks.append(layer.register_forward_pre_hook(
                 lambda _m, args: (fake_quant_input(self.fmt, args[0]),)))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for layer, weight in zip(self.layers, self.saved):
-            layer.weight.data = weight
+            layer.weight = weight
         for hook in self.hooks:
             hook.remove()
 

@@ -74,6 +74,8 @@ class KernelTimer:
 def workload_rows(role: str, workload: Any, experts: int, top_k: int) -> tuple[int, int]:
     """Rows a layer sees in one prefill and in one decode step of the workload."""
     prefill, decode = workload.batch_size * workload.input_len, workload.batch_size
+    if role == "lm_head":  # the engine takes logits of the last prompt position only
+        prefill = workload.batch_size
     if role == "experts" and experts:
         prefill, decode = max(1, prefill * top_k // experts), max(1, decode * top_k // experts)
     return prefill, decode

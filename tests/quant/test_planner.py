@@ -50,7 +50,7 @@ def test_budget_units() -> None:
     assert budget_limit("bits", 8.0, 10) == 80.0
 
 
-def test_groups_are_moe_aware_and_skip_tied_embeddings() -> None:
+def test_groups_are_moe_aware_and_tied_heads_are_opt_in() -> None:
     model = tiny_decoder("mixtral")
     names = {g.name: g for g in build_groups(model, [], ["*.mlp.gate"])}
     qkv = names["model.layers.0.self_attn.qkv"]
@@ -61,6 +61,49 @@ def test_groups_are_moe_aware_and_skip_tied_embeddings() -> None:
     model.config.tie_word_embeddings = True
     model.tie_weights()
     assert "lm_head" not in {g.name for g in build_groups(model, [], [])}
+    assert names["lm_head"].role == "lm_head"
+    assert "lm_head" in {g.name for g in build_groups(model, [], [], tied=True)}
+
+
+@torch.no_grad()
+def test_scoring_a_tied_head_leaves_the_embedding_float() -> None:
+    from opus.quant.sensitivity import measure_sensitivity
+
+    model = tiny_decoder("llama")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    table = model.model.embed_tokens.weight.detach().clone()
+    head = [g for g in build_groups(model, [], [], tied=True) if g.name == "lm_head"]
+    scores = measure_sensitivity(model, head, ["w4a16"], blocks(2, 16), group_size=32)
+    assert scores["lm_head"]["w4a16"]["kl"] > 0
+    assert torch.equal(model.model.embed_tokens.weight, table)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied afterwards
+
+
+@torch.no_grad()
+def test_quantized_tied_head_gets_its_own_copy_and_round_trips() -> None:
+    from opus.quant.apply import quantize_model, rebuild
+    from opus.state import changed_tensors
+
+    def tied() -> torch.nn.Module:
+        model = tiny_decoder("llama")
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        return model
+
+    model, data = tied(), blocks(2, 16)
+    table = model.model.embed_tokens.weight.detach().clone()
+    float_logits = model(data)
+    marks = {n: (t.data_ptr(), t._version) for n, t in model.state_dict(keep_vars=True).items()}
+    step = quantize_model(model, {"lm_head": "w8a8"}, None)
+    out = model(data)
+    assert torch.equal(model.model.embed_tokens.weight, table)
+    assert 0 < float((out - float_logits).norm() / float_logits.norm()) < 0.02
+    tensors, _ = changed_tensors(model, marks)
+    assert "lm_head.qweight" in tensors and "model.embed_tokens.weight" not in tensors
+    fresh = rebuild(tied(), step)
+    fresh.load_state_dict(tensors, strict=False)
+    assert torch.equal(fresh(data), out)
 
 
 @torch.no_grad()
@@ -102,3 +145,50 @@ def test_kernel_timing_sees_the_merged_gemms_fusion_will_run() -> None:
     assert merged_shapes(qkv, linears) == [(128, 128 + 64 + 64)]
     experts = ["m.experts.0.gate_proj", "m.experts.0.up_proj", "m.experts.1.gate_proj", "m.experts.1.up_proj"]
     assert merged_shapes(experts, [nn.Linear(8, 16)] * 4) == [(8, 32), (8, 32)]
+
+
+def test_uniform_alternatives_respect_budget_rules_and_kernels() -> None:
+    from opus.quant.validate import uniform_alternatives
+
+    groups = [
+        _group("a", 10.0, {"w8a8": (3.0, 0.010), "w4a16": (2.0, 0.030)}),
+        _group("b", 10.0, {"w8a8": (3.0, 0.002)}),  # no int4 kernel for this one: stays float
+        _group("r", 1.0, {"w8a8": (0.5, 0.0)}, forced="fp32"),
+    ]
+    alternatives, notes = uniform_alternatives(groups, ["w8a8", "w4a16"], limit=0.02)
+    assert {g: c.fmt for g, c in alternatives["uniform w8a8"].items()} == {"a": "w8a8", "b": "w8a8", "r": "fp32"}
+    assert "uniform w4a16" not in alternatives and "over the budget" in notes[0]
+    loose, _ = uniform_alternatives(groups, ["w4a16"], limit=1.0)
+    assert {g: c.fmt for g, c in loose["uniform w4a16"].items()} == {"a": "w4a16", "b": "fp32", "r": "fp32"}
+
+
+def test_workload_prompts_cut_from_calibration_text() -> None:
+    from opus.quant.validate import workload_prompts
+
+    text = torch.arange(30).reshape(3, 10)
+    prompts = workload_prompts(text, 4, 12)
+    assert prompts.shape == (4, 12)
+    assert prompts.reshape(-1)[:30].tolist() == list(range(30)) and prompts[2, 6] == 0  # wraps around
+
+
+@torch.no_grad()
+def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
+    model = tiny_decoder("mixtral", outlier=20.0)
+    data = blocks(4, 32)
+    stats = collect_stats(model, data)
+    request = PlanRequest(["w8a8", "w8a16"], force={"*.mlp.gate": "fp32"}, budget_value=0.5, validate=True)
+    weights = {n: t.clone() for n, t in model.state_dict().items()}
+    doc = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
+    measured = doc["measured"]
+    contenders = measured["contenders"]
+    same_as_plan = sum("is the per-layer plan itself" in n for n in doc["notes"])
+    assert "plan" in contenders and len(contenders) + same_as_plan == 3  # the plan and both uniform formats
+    for row in contenders.values():
+        assert row["batch_ms"] == pytest.approx(row["prefill_ms"] + 3 * row["decode_step_ms"], abs=0.02)
+    assert measured["kept"] == min(contenders, key=lambda n: contenders[n]["batch_ms"])
+    if measured["kept"] != "plan":  # a uniform format won: the document is that format
+        fmt = measured["kept"].split()[-1]
+        assert {g["format"] for g in doc["groups"] if not g["reason"].startswith("forced")} <= {fmt, "fp32"}
+    # The contenders were built from copies: the planner's own model is only smoothed, never quantized.
+    assert not any(t.dtype == torch.int8 for t in model.state_dict().values())
+    assert set(model.state_dict()) == set(weights)
