@@ -2,8 +2,10 @@
 
 Variants: fp32 baseline; uniform W8A16, W4A16, naive W8A8 (per-tensor dynamic activations, no
 smoothing), SmoothQuant W8A8 (per-token activations); and the planner's mixed plan within the
-perplexity budget. Uniform variants quantize every decoder linear (attention and experts); the
-router stays fp32 and a tied lm_head stays with its embedding. Ratios are against the fp32 baseline
+perplexity budget, made as the plan stage makes it (kernel timings, knapsack, then the end-to-end
+check against the uniform formats). Uniform variants quantize every decoder linear (attention and
+experts); the router stays fp32 and a tied lm_head stays with its embedding (the planner may give it
+its own packed copy). Ratios are against the fp32 baseline
 measured in the same run.
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/quant_formats.py --batch 8 --input-len 256 --output-len 32
@@ -66,7 +68,8 @@ def main() -> None:
     started = time.monotonic()
     plan = make_plan(copy.deepcopy(base), calib, stats,
                      PlanRequest(["w8a8", "w8a16", "w4a16"], force={p: "fp32" for p in ROUTERS},
-                                 budget_value=args.budget, group_size=args.group_size), workload)
+                                 budget_value=args.budget, group_size=args.group_size, validate=True),
+                     workload)
     plan_s = time.monotonic() - started
     variants: list[tuple[str, dict[str, str] | None, bool]] = [
         ("fp32", None, False),
@@ -104,6 +107,9 @@ def main() -> None:
     for group in plan["groups"]:
         counts[group["format"]] = counts.get(group["format"], 0) + 1
     print(f"planner groups: {counts}; predicted Δppl {plan['predicted']['ppl_increase'] * 100:.2f} %")
+    checked = plan["measured"]
+    print(f"plan stage's end-to-end check (batch ms, kept: {checked['kept']}): "
+          + ", ".join(f"{name} {row['batch_ms']:.0f}" for name, row in checked["contenders"].items()))
     if args.out:
         args.out.write_text(json.dumps({"rows": rows, "plan": plan}, indent=2, default=str))
 

@@ -185,7 +185,9 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     assert "plan" in contenders and len(contenders) + same_as_plan == 3  # the plan and both uniform formats
     for row in contenders.values():
         assert row["batch_ms"] == pytest.approx(row["prefill_ms"] + 3 * row["decode_step_ms"], abs=0.02)
-    assert measured["kept"] == min(contenders, key=lambda n: contenders[n]["batch_ms"])
+    fastest = min(contenders, key=lambda n: contenders[n]["batch_ms"])
+    beats_plan = contenders[fastest]["batch_ms"] < (1 - measured["margin"]) * contenders["plan"]["batch_ms"]
+    assert measured["kept"] == (fastest if beats_plan else "plan")
     if measured["kept"] != "plan":  # a uniform format won: the document is that format
         fmt = measured["kept"].split()[-1]
         assert {g["format"] for g in doc["groups"] if not g["reason"].startswith("forced")} <= {fmt, "fp32"}
