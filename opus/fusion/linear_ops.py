@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 Concat = Callable[[list[nn.Module]], "nn.Module | str"]
-Stacker = Callable[[list[nn.Module]], "StackedLinear | str"]
+Stacker = Callable[[list[nn.Module]], "nn.Module | str"]
 
 _CONCAT: dict[type, Concat] = {}
 _STACK: dict[type, Stacker] = {}
@@ -118,7 +118,7 @@ def _stack_linear(mods: list[nn.Module]) -> StackedLinear | str:
     return StackedLinear(weight, bias)
 
 
-def stack_linears(mods: list[nn.Module]) -> StackedLinear | str:
+def stack_linears(mods: list[nn.Module]) -> nn.Module | str:
     cls = _same_class(mods)
     if isinstance(cls, str):
         return "mixed/quantized experts: not stacked (" + cls + ")"
@@ -182,8 +182,51 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     return torch.bmm(buf, weight.transpose(1, 2))[expert, slot]
 
 
+class StackedQuantLinear(nn.Module):
+    """E quantized linears of one class and options over expert-sorted tokens: each runs its own
+    kernel on its contiguous slice of rows (no grouped kernel exists for these packed formats), so the
+    per-expert gathers, masks and scatters of the unfused MoE loop are gone."""
+
+    def __init__(self, experts: list[nn.Module]) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(experts)
+        self.out_features = experts[0].out_features
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.experts)
+
+    def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self._masked(x, offsets)
+        outs, start = [], 0
+        for layer, end in zip(self.experts, offsets.tolist()):  # one host read of E counts
+            if end > start:
+                outs.append(layer(x[start:end]))
+            start = end
+        return torch.cat(outs) if outs else x.new_zeros(0, self.out_features)
+
+    def _masked(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """For tracers (export, compile), which cannot loop over data-dependent slices: every expert
+        on every row, each row keeping its own expert's output (E times the work, same values)."""
+        expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets.long(), right=True)
+        out = x.new_zeros(x.shape[0], self.out_features)
+        for index, layer in enumerate(self.experts):
+            out = torch.where((expert == index).unsqueeze(-1), layer(x), out)
+        return out
+
+
+def _stack_quantized(mods: list[nn.Module]) -> StackedQuantLinear | str:
+    if any(m.options() != mods[0].options() for m in mods):
+        return "mixed/quantized experts: not stacked (different quantization options)"
+    if len({(m.out_features, m.in_features) for m in mods}) != 1:
+        return "experts of different shapes"
+    return StackedQuantLinear(mods)
+
+
 def _register_quantized() -> None:
-    """Quantized layers of one class and options concatenate exactly along their output axis."""
+    """Quantized layers of one class and options concatenate exactly along their output axis, and
+    stack as a ``StackedQuantLinear``."""
     from opus.quant.modules import (
         Fp8Linear,
         Int4WeightOnlyLinear,
@@ -194,6 +237,7 @@ def _register_quantized() -> None:
 
     for cls in (Int8DynamicLinear, Int8WeightOnlyLinear, Int4WeightOnlyLinear, Fp8Linear):
         register_concat(cls)(concat_quantized)
+        register_stacker(cls)(_stack_quantized)
 
 
 _register_quantized()

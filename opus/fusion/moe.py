@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.fusion.linear_ops import StackedLinear, concat_linears, stack_linears
+from opus.fusion.linear_ops import StackedLinear, StackedQuantLinear, concat_linears, stack_linears
 from opus.fusion.ops import swiglu
 
 
@@ -43,10 +43,24 @@ class GroupedExperts(nn.Module):
         order = torch.argsort(flat, stable=True)  # stable: within an expert tokens stay in order
         token = torch.div(order, self.top_k, rounding_mode="floor")
         offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        h = swiglu(self.gate_up.grouped(x[token], offsets))
-        y = self.down.grouped(h, offsets) * weights.reshape(-1)[order].unsqueeze(-1)
+        if isinstance(self.gate_up, StackedQuantLinear) and not torch.compiler.is_compiling():
+            y = self._expertwise(x[token], offsets)
+        else:
+            y = self.down.grouped(swiglu(self.gate_up.grouped(x[token], offsets)), offsets)
+        y = y * weights.reshape(-1)[order].unsqueeze(-1)
         # Sorted by expert, so each token sums its experts in expert order, as the loop did.
         return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _expertwise(self, xs: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Quantized experts: gate/up, SwiGLU and down per expert on its slice of the sorted rows.
+        The intermediates stay expert-sized: at prefill sizes, allocating them for all rows at once
+        measured slower on CPU (fresh multi-MB buffers fault their pages in on every call)."""
+        outs, start = [], 0
+        for gate_up, down, end in zip(self.gate_up.experts, self.down.experts, offsets.tolist()):
+            if end > start:
+                outs.append(down(swiglu(gate_up(xs[start:end]))))
+            start = end
+        return torch.cat(outs) if outs else xs.new_zeros(0, self.down.out_features)
 
     def dense(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token as batched matmuls: static shapes (CUDA graphs, export)."""

@@ -126,7 +126,7 @@ class OddLinear(nn.Linear):
     """A linear subclass with no merge rule: stands in for a quantized linear."""
 
 
-def test_mixed_or_quantized_experts_are_not_stacked():
+def test_mixed_experts_are_not_stacked():
     model = tiny_lm("mixtral")
     old = model.model.layers[0].mlp.experts[1].down_proj
     odd = OddLinear(old.in_features, old.out_features, bias=False)

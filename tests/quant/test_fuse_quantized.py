@@ -48,3 +48,39 @@ def test_fusion_merges_quantized_qkv_and_replays_from_recipe() -> None:
     rebuilt = apply_fusion(rebuild(tiny_decoder("llama"), step), outcome.step(False))
     rebuilt.load_state_dict(fused.state_dict())
     assert torch.allclose(rebuilt(data), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a16"])
+@torch.no_grad()
+def test_quantized_experts_are_grouped_and_replay_from_recipe(fmt: str) -> None:
+    from opus.fusion.linear_ops import StackedQuantLinear
+    from opus.fusion.moe import GroupedMoE
+
+    model = tiny_decoder("mixtral")
+    data = blocks(2, 16)
+    names = [n for n, _ in model.named_modules() if ".experts." in n and n.endswith("_proj")]
+    step = quantize_model(model, {n: fmt for n in names}, collect_stats(model, data), group_size=64)
+    ref = model(data)
+    outcome = fuse_model(model, FusionConfig(patterns=["moe_grouped"]), lm_probe(data))
+    assert outcome.patterns()["moe_grouped"]["fused"] == 2
+    moe = outcome.model.model.layers[0].mlp
+    assert isinstance(moe, GroupedMoE) and isinstance(moe.experts.gate_up, StackedQuantLinear)
+    assert moe.experts.gate_up.experts[0].fmt == fmt and moe.experts.down.experts[0].fmt == fmt
+    assert torch.allclose(outcome.model(data), ref, atol=1e-5)
+    rebuilt = apply_fusion(rebuild(tiny_decoder("mixtral"), step), outcome.step(False))
+    rebuilt.load_state_dict(outcome.model.state_dict())
+    assert torch.equal(rebuilt(data), outcome.model(data))
+
+
+@torch.no_grad()
+def test_stacked_quantized_experts_traceable_path_gives_the_same_rows() -> None:
+    from opus.fusion.linear_ops import StackedQuantLinear
+
+    torch.manual_seed(0)
+    experts = [FORMATS["w8a8"].build(nn.Linear(64, 32), 64) for _ in range(3)]
+    stacked = StackedQuantLinear(experts)
+    x = torch.randn(40, 64)
+    offsets = torch.tensor([18, 18, 40], dtype=torch.int32)  # expert 1 gets no row
+    looped = stacked.grouped(x, offsets)
+    assert torch.equal(looped, torch.cat([experts[0](x[:18]), experts[2](x[18:])]))
+    assert torch.allclose(stacked._masked(x, offsets), looped, atol=1e-6)
