@@ -183,9 +183,9 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
 
 
 class StackedQuantLinear(nn.Module):
-    """E quantized linears of one class and options over expert-sorted tokens: each runs its own
-    kernel on its contiguous slice of rows (no grouped kernel exists for these packed formats), so the
-    per-expert gathers, masks and scatters of the unfused MoE loop are gone."""
+    """E quantized linears of one class and options, the experts of one MoE layer: ``GroupedExperts``
+    runs each expert's own kernels on its contiguous slice of expert-sorted rows (no grouped kernel
+    exists for these packed formats), so the unfused loop's per-expert gathers, masks and scatters go."""
 
     def __init__(self, experts: list[nn.Module]) -> None:
         super().__init__()
@@ -195,25 +195,6 @@ class StackedQuantLinear(nn.Module):
     @property
     def num_experts(self) -> int:
         return len(self.experts)
-
-    def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return self._masked(x, offsets)
-        outs, start = [], 0
-        for layer, end in zip(self.experts, offsets.tolist()):  # one host read of E counts
-            if end > start:
-                outs.append(layer(x[start:end]))
-            start = end
-        return torch.cat(outs) if outs else x.new_zeros(0, self.out_features)
-
-    def _masked(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """For tracers (export, compile), which cannot loop over data-dependent slices: every expert
-        on every row, each row keeping its own expert's output (E times the work, same values)."""
-        expert = torch.bucketize(torch.arange(x.shape[0], device=x.device), offsets.long(), right=True)
-        out = x.new_zeros(x.shape[0], self.out_features)
-        for index, layer in enumerate(self.experts):
-            out = torch.where((expert == index).unsqueeze(-1), layer(x), out)
-        return out
 
 
 def _stack_quantized(mods: list[nn.Module]) -> StackedQuantLinear | str:

@@ -39,11 +39,13 @@ class GroupedExperts(nn.Module):
         self.num_experts = gate_up.num_experts
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_exporting():  # static shapes, and no stable sort (ONNX has none)
+            return self.dense(x, chosen, weights)
         flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # stable: within an expert tokens stay in order
         token = torch.div(order, self.top_k, rounding_mode="floor")
         offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
-        if isinstance(self.gate_up, StackedQuantLinear) and not torch.compiler.is_compiling():
+        if isinstance(self.gate_up, StackedQuantLinear):
             y = self._expertwise(x[token], offsets)
         else:
             y = self.down.grouped(swiglu(self.gate_up.grouped(x[token], offsets)), offsets)
@@ -63,12 +65,17 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else xs.new_zeros(0, self.down.out_features)
 
     def dense(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token as batched matmuls: static shapes (CUDA graphs, export)."""
+        """Every expert on every token (batched matmuls, or each quantized expert's kernels): static
+        shapes (CUDA graphs, export)."""
         routing = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         routing = routing.scatter(1, chosen, weights)  # [N, E]
-        xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
-        h = swiglu(torch.bmm(xe, self.gate_up.weight.transpose(1, 2)))
-        y = torch.bmm(h, self.down.weight.transpose(1, 2))  # [E, N, H]
+        if isinstance(self.gate_up, StackedQuantLinear):
+            y = torch.stack([down(swiglu(gate_up(x))) for gate_up, down in zip(self.gate_up.experts,
+                                                                               self.down.experts)])
+        else:
+            xe = x.unsqueeze(0).expand(self.num_experts, -1, -1)
+            h = swiglu(torch.bmm(xe, self.gate_up.weight.transpose(1, 2)))
+            y = torch.bmm(h, self.down.weight.transpose(1, 2))  # [E, N, H]
         return (routing.t().unsqueeze(-1) * y).sum(0)
 
 

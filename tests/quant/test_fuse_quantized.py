@@ -72,15 +72,17 @@ def test_quantized_experts_are_grouped_and_replay_from_recipe(fmt: str) -> None:
     assert torch.equal(rebuilt(data), outcome.model(data))
 
 
-@torch.no_grad()
-def test_stacked_quantized_experts_traceable_path_gives_the_same_rows() -> None:
-    from opus.fusion.linear_ops import StackedQuantLinear
+def test_fused_quantized_moe_exports_with_parity(tmp_path) -> None:  # noqa: ANN001
+    """Exporters see every expert on every token (static shapes, no sort) and must match eager."""
+    from opus.export import export_model
+    from tests.stages.test_export import _assert_parity, _settings
 
-    torch.manual_seed(0)
-    experts = [FORMATS["w8a8"].build(nn.Linear(64, 32), 64) for _ in range(3)]
-    stacked = StackedQuantLinear(experts)
-    x = torch.randn(40, 64)
-    offsets = torch.tensor([18, 18, 40], dtype=torch.int32)  # expert 1 gets no row
-    looped = stacked.grouped(x, offsets)
-    assert torch.equal(looped, torch.cat([experts[0](x[:18]), experts[2](x[18:])]))
-    assert torch.allclose(stacked._masked(x, offsets), looped, atol=1e-6)
+    model = tiny_decoder("mixtral")
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".experts." in n]
+    step = quantize_model(model, {n: "w8a8" for n in names}, None)
+    outcome = fuse_model(model, FusionConfig(patterns=["moe_grouped"]), lm_probe(blocks(2, 16)))
+    assert outcome.patterns()["moe_grouped"]["fused"] == 2
+    metrics, info = export_model(outcome.model, None, {"recipe": [step, outcome.step(False)]}, tmp_path / "x",
+                                 _settings({"factory": "tests.quant.tiny:tiny_decoder", "args": {"family": "mixtral"}}))
+    assert "onnx_error" not in info, info.get("onnx_error")
+    _assert_parity(metrics)
