@@ -13,7 +13,8 @@ from opus.bench.core import Row
 METHODS = {
     "P": "generated tokens/s of the workload: batch_size prompts of input_len tokens, output_len new tokens "
          "each, prefill included (median of repeats after warm-up)",
-    "D": "time to first token of one request of input_len tokens (prefill + choosing the first token)",
+    "D": "time to first token of one request of input_len tokens (prefill + choosing the first token), "
+         "median of 9 or more requests",
     "decode b1": "tokens/s of the decode steps of that single request (batch 1)",
     "peak MB": "the process's peak resident memory while the batch workload runs (untimed warm-up run); "
                "all contenders run in one process, one after the other, so it also holds what the process "
