@@ -15,6 +15,7 @@ METHODS = {
          "each, prefill included (median of repeats after warm-up)",
     "D": "time to first token of one request of input_len tokens (prefill + choosing the first token), "
          "median of 9 or more requests",
+    "decode bN": "tokens/s of the decode steps of the P workload (batch N = batch_size, prefill excluded)",
     "decode b1": "tokens/s of the decode steps of that single request (batch 1)",
     "peak MB": "the process's peak resident memory while the batch workload runs (untimed warm-up run); "
                "all contenders run in one process, one after the other, so it also holds what the process "
@@ -30,9 +31,11 @@ METHODS = {
     "×": "ratio to the fp32 baseline measured in the same run",
 }
 PROMPTS = {"text": "cut from the evaluation text", "random": "seeded random token ids"}
-COLUMNS = (("throughput_tok_s", "P tok/s", "{:.1f}"), ("ttft_ms", "D ms", "{:.1f}"),
-           ("decode_tok_s", "decode b1 tok/s", "{:.1f}"), ("peak_mem_mb", "peak MB", "{:.0f}"),
-           ("model_mb", "model MB", "{:.1f}"))
+# Columns shown with their ratio to the baseline, then the model size.
+RATIO_COLUMNS = (("throughput_tok_s", "P tok/s", "{:.1f}"), ("decode_tok_s_batch", "decode bN tok/s", "{:.1f}"),
+                 ("ttft_ms", "D ms", "{:.1f}"), ("decode_tok_s", "decode b1 tok/s", "{:.1f}"),
+                 ("peak_mem_mb", "peak MB", "{:.0f}"))
+MODEL_COLUMN = ("model_mb", "model MB", "{:.1f}")
 
 
 def _num(value: Any, fmt: str) -> str:
@@ -61,19 +64,21 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
         lines.append(f"- fp32 P measured again after all contenders: {recheck['throughput_tok_s']:.1f} tok/s, "
                      f"{recheck['drift'] * 100:+.1f} % against the first measurement (noise in every ratio)")
     lines.append("")
-    head = ["contender"] + [f"{label} | ×" for _, label, _ in COLUMNS[:4]] + [
-        "rise MB", COLUMNS[4][1], "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
+    head = ["contender"] + [f"{label} | ×" for _, label, _ in RATIO_COLUMNS] + [
+        "rise MB", MODEL_COLUMN[1], "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
+    cells_per_row = len(" | ".join(head).split(" | "))
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(" | ".join(head).split(" | ")))
     for row in rows:
         if row.status != "ok":
-            lines.append(f"| {row.name} | " + " | ".join(["—"] * 14) + f" | {row.status}: {row.reason} |")
+            lines.append(f"| {row.name} | " + " | ".join(["—"] * (cells_per_row - 2))
+                         + f" | {row.status}: {row.reason} |")
             continue
         m, r = row.metrics, row.ratios
         cells = [row.name]
-        for key, _, fmt in COLUMNS[:4]:
+        for key, _, fmt in RATIO_COLUMNS:
             cells += [_num(m.get(key), fmt), _num(r.get(key), "{:.2f}")]
-        cells += [_num(m.get("peak_mem_rise_mb"), "{:.0f}"), _num(m.get("model_mb"), COLUMNS[4][2]),
+        cells += [_num(m.get("peak_mem_rise_mb"), "{:.0f}"), _num(m.get("model_mb"), MODEL_COLUMN[2]),
                   _num(m.get("perplexity"), "{:.3f}"),
                   _num(None if row.ppl_increase is None else row.ppl_increase * 100, "{:+.2f} %"),
                   _num(m.get("agreement"), "{:.3f}"), _num(m.get("agreement_free"), "{:.3f}"), _verdict(row, budget)]
