@@ -51,7 +51,7 @@ class Config(BaseModel):
     safety: float = Field(0.7, gt=0, le=1, description="share of a ppl budget the prediction may use")
     percentile: float = Field(99.9, gt=50, le=100)
     group_size: int = Field(128, gt=0)
-    validate: bool = Field(True, description="time the plan and every uniform format within the budget on "
+    end_to_end_check: bool = Field(True, description="time the plan and every uniform format within the budget on "
                            "the whole model (holds one quantized copy of the model per contender) and keep "
                            "the fastest")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
@@ -71,7 +71,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     else:
         kind, value = cfg.budget.kind_value()
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
-                              cfg.group_size, cfg.validate)
+                              cfg.group_size, cfg.end_to_end_check)
         doc = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
     ctx.write_artifact("plan.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
     counts: dict[str, int] = {}
