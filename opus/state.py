@@ -64,6 +64,9 @@ def apply_state(model: Any, tokenizer: Any, state: dict[str, Any], tensors_dir: 
         tensors = load_file(str(tensors_dir / state["tensors"]), device=device)
         for alias, target in state.get("aliases", {}).items():
             tensors[alias] = tensors[target]
+        for prefix, module in model.named_modules():
+            if hasattr(module, "upgrade_tensors"):  # checkpoints written by an older layout
+                module.upgrade_tensors(f"{prefix}." if prefix else "", tensors)
         own = model.state_dict(keep_vars=True)
         for name, value in tensors.items():
             if name not in own:

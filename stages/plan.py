@@ -52,8 +52,8 @@ class Config(BaseModel):
     percentile: float = Field(99.9, gt=50, le=100)
     group_size: int = Field(128, gt=0)
     end_to_end_check: bool = Field(True, description="time the plan and every uniform format within the budget on "
-                           "the whole model (holds one quantized copy of the model per contender) and keep "
-                           "the fastest")
+                           "the whole model and keep the fastest (holds another float copy of the model "
+                           "and one quantized copy per contender while timing)")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
 
 

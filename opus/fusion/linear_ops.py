@@ -7,7 +7,7 @@ quantized-linear class plugs in by registering its own merger::
     def _cat(mods: list[Int8Linear]) -> Int8Linear | str: ...   # a str is the reason to skip
 
     @register_stacker(Int8Linear)
-    def _stack(mods: list[Int8Linear]) -> StackedLinear | str: ...
+    def _stack(mods: list[Int8Linear]) -> nn.Module | str: ...  # e.g. a StackedLinear
 
 A mix of classes (some experts quantized, some not) never merges.
 """

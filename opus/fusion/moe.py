@@ -1,9 +1,11 @@
-"""Grouped MoE: tokens sorted by expert, experts' weights stacked, no Python loop over experts.
+"""Grouped MoE: tokens sorted by expert, experts' weights stacked, no Python loop over float experts.
 
 ``GroupedMoE`` replaces ``opus.models.decoder.SparseMoE`` (same router, same routing arithmetic,
 same shared expert). Parameter names: the router stays ``<moe>.gate.weight``; the experts become
 ``<moe>.experts.gate_up.weight [E, 2I, H]`` and ``<moe>.experts.down.weight [E, H, I]`` — new
-tensors, saved in the checkpoint like any other.
+tensors, saved in the checkpoint like any other. Quantized experts (one class and options for all of
+them, gate/up and down alike) are kept per expert (``<moe>.experts.gate_up.experts.<e>.qweight`` …)
+and run one expert's kernels at a time on its contiguous slice of the sorted rows.
 
 Per expert, gate and up are first concatenated (``concat_linears``), then the E results are
 stacked (``stack_linears``); both go through the registries in ``linear_ops``, so a quantized
@@ -33,7 +35,8 @@ def moe_reason(module: nn.Module) -> str | None:
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, gate_up: StackedLinear, down: StackedLinear, top_k: int) -> None:
+    def __init__(self, gate_up: StackedLinear | StackedQuantLinear, down: StackedLinear | StackedQuantLinear,
+                 top_k: int) -> None:
         super().__init__()
         self.gate_up, self.down, self.top_k = gate_up, down, top_k
         self.num_experts = gate_up.num_experts
@@ -66,7 +69,7 @@ class GroupedExperts(nn.Module):
 
     def dense(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token (batched matmuls, or each quantized expert's kernels): static
-        shapes (CUDA graphs, export)."""
+        shapes, for exporters (and, float only, dense MoE layers and CUDA graphs)."""
         routing = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         routing = routing.scatter(1, chosen, weights)  # [N, E]
         if isinstance(self.gate_up, StackedQuantLinear):
@@ -121,6 +124,9 @@ def group_moe(module: nn.Module) -> GroupedMoE | str:
     for stacked in (gate_up, down):
         if isinstance(stacked, str):
             return stacked
+    if type(gate_up) is not type(down) or (isinstance(gate_up, StackedQuantLinear)
+                                           and type(gate_up.experts[0]) is not type(down.experts[0])):
+        return "mixed/quantized experts: gate/up and down differ in precision"
     if module.dense and type(gate_up) is not StackedLinear:
         return "dense MoE needs plain stacked weights"
     return GroupedMoE(module, GroupedExperts(gate_up, down, module.top_k))

@@ -178,6 +178,13 @@ class Int8DynamicLinear(QuantLinear):
     def options(self) -> dict[str, object]:
         return {"per_token": self.per_token}
 
+    @staticmethod
+    def upgrade_tensors(prefix: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Older checkpoints and exports stored the weight transposed, as ``qweight_t [in, out]``."""
+        old = tensors.pop(f"{prefix}qweight_t", None)
+        if old is not None:
+            tensors[f"{prefix}qweight"] = old.t().contiguous()
+
     def after_load(self) -> None:
         self._scale_bf16 = self.scale.reshape(-1).to(torch.bfloat16)
 

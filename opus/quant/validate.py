@@ -6,6 +6,11 @@ So the plan stage builds the planned model and every uniform assignment that fit
 budget (every free group, a tied lm_head included, in that format), runs each through the engine on
 the workload's shape (interleaved, so that a slow moment of the machine hits every contender), and
 keeps the per-layer plan unless a uniform one is measured clearly faster.
+
+The contenders run unfused (the fuse stage comes later and changes every contender alike, except
+that float experts group and quantized ones loop per expert): the check ranks assignments, it does
+not predict the final figures. Memory: the float model once more, plus one quantized copy per
+contender, all alive while they are timed (``end_to_end_check: false`` in the plan stage skips it).
 """
 
 from __future__ import annotations
@@ -70,10 +75,12 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
     from opus.quant.apply import quantize_model
 
     models = {}
-    for name, chosen in contenders.items():
+    for index, (name, chosen) in enumerate(contenders.items()):
         model = copy.deepcopy(float_model)
         quantize_model(model, _assignment(chosen, choices), stats, group_size=group_size)
         models[name] = model
+        if progress:
+            progress(index + 1, len(contenders), f"end-to-end check: built {name}")
     prompts = workload_prompts(blocks, workload.batch_size, workload.input_len)
     steps = max(1, min(decode_steps, workload.output_len - 1))
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
@@ -106,6 +113,9 @@ def check_end_to_end(float_model: nn.Module, choices: list[GroupChoice], planned
             notes.append(f"{name} is the per-layer plan itself")
         else:
             contenders[name] = chosen
+    if len(contenders) == 1:
+        notes.append("end-to-end check skipped: no uniform format differs from the plan within the budget")
+        return planned, {}, notes
     measured = measure_contenders(float_model, contenders, choices, stats, group_size, workload, blocks,
                                   progress=progress)
     fastest = min(measured, key=lambda name: measured[name]["batch_ms"])

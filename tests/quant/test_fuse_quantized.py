@@ -86,3 +86,16 @@ def test_fused_quantized_moe_exports_with_parity(tmp_path) -> None:  # noqa: ANN
                                  _settings({"factory": "tests.quant.tiny:tiny_decoder", "args": {"family": "mixtral"}}))
     assert "onnx_error" not in info, info.get("onnx_error")
     _assert_parity(metrics)
+
+
+@torch.no_grad()
+def test_experts_with_gate_up_and_down_in_different_formats_are_not_grouped() -> None:
+    model = tiny_decoder("mixtral")
+    data = blocks(2, 16)
+    gate_up = [n for n, _ in model.named_modules() if ".experts." in n and n.endswith(("gate_proj", "up_proj"))]
+    quantize_model(model, {n: "w8a8" for n in gate_up}, None)  # down_proj stays float (a normal plan)
+    ref = model(data)
+    outcome = fuse_model(model, FusionConfig(patterns=["moe_grouped"]), lm_probe(data))
+    grouped = outcome.patterns()["moe_grouped"]
+    assert grouped["fused"] == 0 and "gate/up and down differ in precision" in grouped["reasons"][0]
+    assert torch.equal(outcome.model(data), ref)

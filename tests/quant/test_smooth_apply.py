@@ -83,3 +83,22 @@ def test_quantized_model_round_trips_through_recipe_and_tensors() -> None:
     fresh = rebuild(tiny_decoder("mixtral", outlier=20.0), step)
     fresh.load_state_dict(tensors, strict=False)
     assert torch.equal(fresh(data), out)
+
+
+@torch.no_grad()
+def test_checkpoints_with_the_older_transposed_int8_weight_still_load(tmp_path) -> None:  # noqa: ANN001
+    from safetensors.torch import save_file
+
+    from opus.state import apply_state
+
+    model, data = tiny_decoder("llama"), blocks()
+    marks = {n: (t.data_ptr(), t._version) for n, t in model.state_dict(keep_vars=True).items()}
+    step = quantize_model(model, {"model.layers.0.self_attn.o_proj": "w8a8"}, None)
+    out = model(data)
+    tensors, _ = changed_tensors(model, marks)
+    name = "model.layers.0.self_attn.o_proj.qweight"
+    tensors[name.replace("qweight", "qweight_t")] = tensors.pop(name).t().contiguous()  # the old layout
+    save_file(tensors, str(tmp_path / "tensors.safetensors"))
+    state = {"recipe": [step], "tensors": "tensors.safetensors"}
+    loaded = apply_state(tiny_decoder("llama"), None, state, tmp_path, "cpu")
+    assert torch.equal(loaded.model(data), out)
