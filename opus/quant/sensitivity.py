@@ -71,12 +71,11 @@ def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[st
     scores: dict[str, dict[str, dict[str, float]]] = {}
     for group in groups:
         for fmt in formats:
-            if any(FORMATS[fmt].unsupported(model.get_submodule(n), group_size) for n in group.modules):
-                continue
-            with _Trial(model, group, fmt, group_size):
-                dce, kl = _scores(_logprobs(model, blocks, batch_size), ref, blocks)
-            scores.setdefault(group.name, {})[fmt] = {"dce": dce, "kl": kl}
-            done += 1
+            done += 1  # counted when skipped too: the total counts every (group, format) pair
+            if not any(FORMATS[fmt].unsupported(model.get_submodule(n), group_size) for n in group.modules):
+                with _Trial(model, group, fmt, group_size):
+                    dce, kl = _scores(_logprobs(model, blocks, batch_size), ref, blocks)
+                scores.setdefault(group.name, {})[fmt] = {"dce": dce, "kl": kl}
             if progress:
                 progress(done, total, f"sensitivity {group.name} {fmt}")
     return scores

@@ -194,3 +194,17 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     # The contenders were built from copies: the planner's own model is only smoothed, never quantized.
     assert not any(t.dtype == torch.int8 for t in model.state_dict().values())
     assert set(model.state_dict()) == set(weights)
+
+
+@torch.no_grad()
+def test_sensitivity_progress_reaches_its_total_when_a_format_cannot_take_a_layer() -> None:
+    from opus.quant.sensitivity import measure_sensitivity
+
+    model = tiny_decoder("llama")
+    groups = [g for g in build_groups(model, [], []) if g.name in ("lm_head", "model.layers.0.self_attn.o_proj")]
+    seen: list[tuple[float, float]] = []
+    # group size 96 divides no 128-wide input: w4a16 cannot take these layers and is skipped
+    scores = measure_sensitivity(model, groups, ["w8a16", "w4a16"], blocks(2, 16), group_size=96,
+                                 progress=lambda done, total, _: seen.append((done, total)))
+    assert all("w4a16" not in by_fmt for by_fmt in scores.values()) and scores
+    assert seen[-1] == (4, 4)
