@@ -7,7 +7,8 @@ into one C++ wrapper (``cpp_wrapper``), against Opus's eager engine on the same 
 
 Variants: ``engine fp32`` (the baseline: eager, growing KV cache); ``static W8A8 eager`` and
 ``static W8A8 compiled`` (SmoothQuant folded into a copy of the model first, exact in float, then
-int8 weights per channel, per-token int8 activations); ``static fp32 compiled``. For each, at batch 1
+int8 weights per channel, per-token int8 activations; opus.gpu stacks the experts, so the down
+projection shares one scale per output channel across experts); ``static fp32 compiled``. For each, at batch 1
 and at ``--batch``: prefill ms and decode tokens/s (median of ``--repeats``), and greedy agreement
 with the baseline (teacher-forced: fed the baseline's tokens, does it choose the same next one?).
 Compile time is reported apart and excluded from every figure.
