@@ -68,7 +68,7 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
         "rise MB", MODEL_COLUMN[1], "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
     cells_per_row = len(" | ".join(head).split(" | "))
     lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(" | ".join(head).split(" | ")))
+    lines.append("|" + "---|" * cells_per_row)
     for row in rows:
         if row.status != "ok":
             lines.append(f"| {row.name} | " + " | ".join(["—"] * (cells_per_row - 2))

@@ -27,6 +27,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.register_load_state_dict_post_hook(lambda module, _: module.after_load())
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, format={self.fmt}"
@@ -69,27 +70,49 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
 
-class Int8WeightOnlyLinear(QuantLinear):
-    """W8A16: int8 weights per output channel, bf16 activations; ``_weight_int8pack_mm`` on CPU."""
+class Int8WeightLinear(QuantLinear):
+    """Int8 weights per output channel, ``qweight [out, in]`` and ``scale``, and the weight-only GEMM
+    over them with bf16 activations (``_weight_int8pack_mm`` on CPU): W8A16, and W8A8 at decode sizes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scale_shape: tuple[int, ...]) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(scale_shape))
+        # The CPU kernel takes bf16 scales: derived once here, not converted on every call.
+        self.register_buffer("_scale_bf16", torch.ones(out_features, dtype=torch.bfloat16), persistent=False)
+
+    def after_load(self) -> None:
+        self._scale_bf16 = self.scale.reshape(-1).to(torch.bfloat16)
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        self.qweight, scale = int8_per_channel(weight)
+        self.scale = scale.reshape(self.scale.shape)
+        self.after_load()
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
+        out = super()._apply(fn, recurse)
+        self.after_load()  # a dtype cast of the module must not reach the kernel's bf16 scales
+        return out
+
+    def _weight_only_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            # A16: the CPU kernel is 10-30x faster with bf16 than with fp32 activations (measured).
+            return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self._scale_bf16).to(x.dtype)
+        # CUDA has no int8-weight GEMM in torch: convert in the GEMM's prologue (int8 storage).
+        return (x @ self.qweight.to(x.dtype).t()) * self.scale.to(x.dtype)
+
+
+class Int8WeightOnlyLinear(Int8WeightLinear):
+    """W8A16: int8 weights per output channel, bf16 activations."""
 
     fmt = "w8a16"
     OUT_AXES = {"qweight": 0, "scale": 0}
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
-        super().__init__(in_features, out_features, bias)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.ones(out_features))
-
-    def load_weight(self, weight: torch.Tensor) -> None:
-        self.qweight, self.scale = int8_per_channel(weight)
+        super().__init__(in_features, out_features, bias, (out_features,))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            # A16: the CPU kernel is 10-30x faster with bf16 than with fp32 activations (measured).
-            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale.to(torch.bfloat16))
-            return y.to(x.dtype)
-        # CUDA has no int8-weight GEMM in torch: convert in the GEMM's prologue (int8 storage).
-        return (x @ self.qweight.to(x.dtype).t()) * self.scale.to(x.dtype)
+        return self._weight_only_matmul(x)
 
 
 class Int4WeightOnlyLinear(QuantLinear):
@@ -106,7 +129,6 @@ class Int4WeightOnlyLinear(QuantLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales_and_zeros", torch.zeros(in_features // group_size, out_features, 2))
         self.register_buffer("_kernel_weight", torch.empty(0, dtype=torch.uint8), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _: module.repack())
 
     def options(self) -> dict[str, object]:
         return {"group_size": self.group_size}
@@ -146,7 +168,7 @@ class Int4WeightOnlyLinear(QuantLinear):
                                          sz.to(torch.bfloat16)).to(x.dtype)
 
 
-class Int8DynamicLinear(QuantLinear):
+class Int8DynamicLinear(Int8WeightLinear):
     """W8A8: int8 per-channel weights, dynamic int8 activations (per token, or per tensor), int8 GEMM.
 
     With SmoothQuant the activation outliers have already been migrated into the weights (folded
@@ -164,16 +186,12 @@ class Int8DynamicLinear(QuantLinear):
     WEIGHT_ONLY_MAX_ROWS = 16
 
     def __init__(self, in_features: int, out_features: int, bias: bool, per_token: bool = True) -> None:
-        super().__init__(in_features, out_features, bias)
+        # qweight [out, in]: its transpose is the column-major [in, out] operand that ``_int_mm`` reads
+        # as fast as a contiguous one (measured) and cuBLASLt requires.
+        super().__init__(in_features, out_features, bias, (1, out_features))
         self.per_token = per_token
         if not per_token:
             self.fmt = "w8a8_tensor"
-        # [out, in] as the weight-only kernel wants it; its transpose is the column-major [in, out] operand
-        # that ``_int_mm`` reads as fast as a contiguous one (measured) and cuBLASLt requires.
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scale", torch.ones(1, out_features))
-        self.register_buffer("_scale_bf16", torch.ones(out_features, dtype=torch.bfloat16), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _: module.after_load())
 
     def options(self) -> dict[str, object]:
         return {"per_token": self.per_token}
@@ -184,19 +202,6 @@ class Int8DynamicLinear(QuantLinear):
         old = tensors.pop(f"{prefix}qweight_t", None)
         if old is not None:
             tensors[f"{prefix}qweight"] = old.t().contiguous()
-
-    def after_load(self) -> None:
-        self._scale_bf16 = self.scale.reshape(-1).to(torch.bfloat16)
-
-    def load_weight(self, weight: torch.Tensor) -> None:
-        self.qweight, scale = int8_per_channel(weight)
-        self.scale = scale.reshape(1, -1)
-        self.after_load()
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module signature
-        out = super()._apply(fn, recurse)
-        self.after_load()  # a dtype cast of the module must not reach the kernel's bf16 scales
-        return out
 
     # Rows per GEMM: a 16k-row prefill in one piece allocates a fresh 50 MB int32 accumulator per call,
     # and its first-touch page faults cost more than the GEMM (measured 3x slower than fp32 on CPU).
@@ -218,11 +223,6 @@ class Int8DynamicLinear(QuantLinear):
         q, x_scale = int8_per_token(x) if self.per_token else int8_per_tensor(x)
         acc = torch._int_mm(q, self.qweight.t())
         return (acc * x_scale).mul_(self.scale).to(x.dtype)  # int32 × fp32 promotes in one op
-
-    def _weight_only_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
-            return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self._scale_bf16).to(x.dtype)
-        return (x @ self.qweight.to(x.dtype).t()) * self.scale.to(x.dtype)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from torch import nn
 
 from opus.engine import generate
 from opus.kvcache import cache_factory
+from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
 from opus.quant.planner import Candidate, GroupChoice
 
@@ -72,8 +73,6 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
                        progress: Progress | None = None) -> dict[str, dict[str, float]]:
     """Per contender: prefill ms, decode ms per step and the workload's batch ms (prefill plus
     ``output_len - 1`` decode steps), medians over ``repeats`` interleaved rounds."""
-    from opus.quant.apply import quantize_model
-
     models = {}
     for index, (name, chosen) in enumerate(contenders.items()):
         model = copy.deepcopy(float_model)
