@@ -142,15 +142,48 @@ def _builder(kind: str, provider: str | None) -> CacheBuilder:
 def make_cache(config: dict[str, Any] | None, model_config: Any, batch_size: int, max_seq_len: int,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> KVCache:
     """Build a cache of ``config["kind"]`` (default: growing) for one batch."""
-    options = dict(config or {})
-    kind = options.pop("kind", DEFAULT_KIND)
-    builder = _builder(kind, options.pop("provider", None))
     shape = CacheShape(batch_size=batch_size, max_seq_len=max_seq_len,
                        num_layers=_model_attr(model_config, "num_layers"),
                        num_kv_heads=_model_attr(model_config, "num_kv_heads"),
                        head_dim=_model_attr(model_config, "head_dim"),
                        device=torch.device(device), dtype=dtype)
-    return builder(options, shape)
+    return build_cache(config, shape)
+
+
+def build_cache(config: dict[str, Any] | None, shape: CacheShape) -> KVCache:
+    options = dict(config or {})
+    kind = options.pop("kind", DEFAULT_KIND)
+    return _builder(kind, options.pop("provider", None))(options, shape)
+
+
+BY_BATCH = "by_batch"
+
+
+def by_batch_config(rules: list[tuple[int | None, dict[str, Any]]]) -> dict[str, Any]:
+    """A cache chosen by batch size: ``[(up_to, config), ..., (None, config)]``, first match wins."""
+    return {"kind": BY_BATCH, "rules": [{"cache": dict(c)} if up_to is None else {"up_to": up_to, "cache": dict(c)}
+                                        for up_to, c in rules]}
+
+
+@register_cache(BY_BATCH)
+def _by_batch(options: dict[str, Any], shape: CacheShape) -> KVCache:
+    """What a kv_config stage writes when the fastest cache differs between batch sizes (e.g. a
+    compiled static cache at batch 1, a pooled one at batch 32)."""
+    rules = options.get("rules")
+    if set(options) != {"rules"} or not isinstance(rules, list) or not rules:
+        raise ValueError("the by_batch KV cache takes one option, rules: a list of {up_to, cache}, "
+                         "the last without up_to")
+    for i, rule in enumerate(rules):
+        last = i == len(rules) - 1
+        if not isinstance(rule, dict) or "cache" not in rule or ("up_to" in rule) == last:
+            raise ValueError(f"by_batch rule {i}: expected {{up_to: N, cache: {{...}}}}, "
+                             f"{'the last without' if last else 'with'} up_to; got {rule!r}")
+        kind = rule["cache"].get("kind", DEFAULT_KIND)
+        _builder(kind, rule["cache"].get("provider"))  # an unknown kind fails now, at any batch size
+    for rule in rules:
+        if "up_to" not in rule or shape.batch_size <= rule["up_to"]:
+            return build_cache(rule["cache"], shape)
+    raise AssertionError("unreachable: the last rule matches every batch size")
 
 
 def cache_factory(model: torch.nn.Module, config: dict[str, Any] | None = None) -> CacheFactory:

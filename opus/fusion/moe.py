@@ -42,7 +42,8 @@ class GroupedExperts(nn.Module):
         self.num_experts = gate_up.num_experts
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_exporting():  # static shapes, and no stable sort (ONNX has none)
+        # Exporters and compilers want static shapes (and ONNX has no stable sort): every expert.
+        if torch.compiler.is_exporting() or torch.compiler.is_compiling():
             return self.dense(x, chosen, weights)
         flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # stable: within an expert tokens stay in order

@@ -84,13 +84,20 @@ def cache_update(cache: object | None, layer: int, k: torch.Tensor,
 
 
 @torch.fx.wrap
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool) -> torch.Tensor:
+def cache_mask(cache: object | None) -> torch.Tensor | None:
+    """The key mask a cache returns all of its slots with (a static cache's decode step), else None."""
+    return getattr(cache, "mask", None)
+
+
+@torch.fx.wrap
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
+           mask: torch.Tensor | None = None) -> torch.Tensor:
     # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
     # Otherwise T new tokens attend causally among themselves and fully to the S - T cached ones;
-    # a single decode token attends to everything, so it needs no mask.
-    mask = None
+    # a single decode token attends to everything, so it needs no mask — unless the cache returned
+    # slots not written yet, and a mask (``[T, S]``, True = visible) with them.
     t, s = q.shape[2], k.shape[2]
-    if not causal and t > 1:
+    if mask is None and not causal and t > 1:
         rows = torch.arange(t, device=q.device)[:, None] + (s - t)
         mask = torch.arange(s, device=q.device)[None, :] <= rows
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
@@ -120,7 +127,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache_update(cache, self.layer_idx, k, v)
-        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads)
+        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads, cache_mask(cache))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -222,10 +229,14 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: object | None = None, start_pos: int = 0,
                 last_only: bool = False) -> torch.Tensor:
         t = input_ids.shape[1]
+        if hasattr(cache, "decode_step") and t == 1 and start_pos > 0:  # (cache first: fx traces cache=None)
+            # A static cache runs decode steps itself, as one compiled graph (opus.static_cache).
+            return cache.decode_step(self, input_ids, start_pos)  # type: ignore[union-attr]
         h = self.model.embed_tokens(input_ids)
-        positions = torch.arange(start_pos, start_pos + t, device=input_ids.device)
+        given = getattr(cache, "positions", None)  # a compiled step's positions: a tensor, never an int
+        positions = given if given is not None else torch.arange(start_pos, start_pos + t, device=input_ids.device)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
-        causal = cache is None or start_pos == 0
+        causal = cache is None or (given is None and start_pos == 0)
         for layer in self.model.layers:
             h = layer(h, cos, sin, cache, causal)
         if last_only:

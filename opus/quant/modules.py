@@ -208,7 +208,7 @@ class Int8DynamicLinear(Int8WeightLinear):
     CHUNK_ROWS = 2048
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_exporting():  # a symbolic row count: no branch on it
             return self._int8_matmul(x)
         if x.shape[0] <= self.WEIGHT_ONLY_MAX_ROWS:
             return self._weight_only_matmul(x)
