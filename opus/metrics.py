@@ -150,18 +150,22 @@ def model_mb(model: nn.Module) -> float:
 # -- speed --------------------------------------------------------------------------------------
 def measure_throughput(model: nn.Module, prompts: torch.Tensor, output_len: int, factory: CacheFactory,
                        warmup: int = 1, repeats: int = 3, progress: Progress | None = None) -> dict[str, Any]:
-    """P for a batch of prompts, plus the peak memory of one (untimed) warm-up run."""
+    """P for a batch of prompts, plus the peak memory of the first timed run.
+
+    At least one warm-up run comes first, so one-time work (a compiled decode step's compilation,
+    first-touch allocations) lands in neither the memory figure nor P.
+    """
     progress = progress or Progress()
 
     def run(what: str) -> Any:
         return generate(model, prompts, output_len, factory, on_step=lambda _: progress.advance(1, what))
 
+    for _ in range(max(1, warmup)):
+        run("P warm-up")
     memory = PeakMemory(model_device(model))
     with memory:
-        run("P warm-up")
-    for _ in range(max(0, warmup - 1)):
-        run("P warm-up")
-    runs = [run("P") for _ in range(repeats)]
+        runs = [run("P")]
+    runs += [run("P") for _ in range(repeats - 1)]
     out = {"throughput_tok_s": statistics.median(r.tok_s for r in runs),
            "peak_mem_mb": memory.peak_mb, "peak_mem_rise_mb": memory.rise_mb, "peak_mem_method": memory.method}
     if output_len > 1:

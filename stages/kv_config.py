@@ -1,9 +1,14 @@
-"""Choose the KV cache for the engine: pooled preallocation, growth step and batch size, measured.
+"""Choose the KV cache for the engine, per batch size, by measurement.
 
-Candidates (``prealloc`` × ``step``, and the growing cache for comparison) run the pipeline's workload
-(or the ``input_len``/``output_len`` given here) at each batch size that fits the memory budget;
-the fastest wins and is written into the recipe as ``{"kind": "kv_cache", "cache": {...}}``, which
-baseline/eval and the engine read to build their cache. The step changes no tensor.
+Candidates — the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, and the
+static cache whose decode steps run as one compiled graph (``opus.static_cache``; Opus decoders
+only) — run the pipeline's workload (or the ``input_len``/``output_len`` given here) at each batch
+size that fits the memory budget (default: 1 and the workload's). The fastest candidate at each
+batch size wins there; where the winners differ (a compiled static step wins at batch 1, where
+per-op dispatch bounds a step, and a pooled cache at batch 32), the recipe gets a ``by_batch``
+cache that picks by the request's batch size. The choice is written into the recipe as
+``{"kind": "kv_cache", "cache": {...}}``, which baseline/eval and the engine read to build their
+cache. The step changes no tensor.
 
 Sizing: bytes per token = 2 × layers × KV heads × head dim × element size; the budget is
 ``memory_budget_mb`` or ``memory_fraction`` of the memory available now; ``max_batch`` is the largest
@@ -18,6 +23,7 @@ number of sequences whose caches, allocated in steps, fit it::
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,10 +40,12 @@ class Config(BaseModel):
     prealloc: list[int] = Field(default_factory=lambda: [512])  # positions each sequence starts with
     step: list[int] = Field(default_factory=lambda: [256, 1024])  # growth step candidates
     max_context: int = Field(8192, gt=0)  # capped by the model's max_position_embeddings
-    batch_sizes: list[int] | None = None  # default: the workload's batch size
+    batch_sizes: list[int] | None = None  # default: 1 and the workload's batch size
     memory_fraction: float = Field(0.5, gt=0, le=1)
     memory_budget_mb: float | None = Field(None, gt=0)
     include_growing: bool = True  # measure the growing cache too (and keep it if it wins)
+    include_static: bool = True  # and the static cache with compiled decode steps (Opus decoders)
+    static_slot_multiple: int = Field(128, gt=0)  # its slots: request length rounded up to this
     input_len: int | None = Field(None, gt=0)  # default: the workload's
     output_len: int | None = Field(None, gt=0)
     warmup: int | None = Field(None, ge=0)
@@ -45,11 +53,16 @@ class Config(BaseModel):
     seed: int = 0
 
 
-def _candidates(cfg: Config, max_ctx: int) -> list[dict[str, Any]]:
+def _candidates(cfg: Config, max_ctx: int, model: Any) -> list[dict[str, Any]]:
     from opus.kvpool import cache_config
+    from opus.models.decoder import DecoderLM
+    from opus.static_cache import cache_config as static_config
 
     out = [cache_config(p, s, max_ctx) for p in cfg.prealloc for s in cfg.step]
-    return out + ([{"kind": "growing"}] if cfg.include_growing else [])
+    out += [{"kind": "growing"}] if cfg.include_growing else []
+    # Only Opus's decoder hands its decode steps to the cache (DecoderLM.forward).
+    return out + ([static_config(True, cfg.static_slot_multiple)] if cfg.include_static and isinstance(model, DecoderLM)
+                  else [])
 
 
 def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> int:
@@ -57,24 +70,54 @@ def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> i
 
     if cache["kind"] == "growing":  # holds exactly the context (plus a transient copy while growing)
         return max(0, budget // (2 * per_token * context))
+    if cache["kind"] == "static":  # the context rounded up to whole slot multiples, allocated at once
+        multiple = cache["slot_multiple"]
+        return max(0, budget // (per_token * (-(-context // multiple) * multiple)))
     return max_batch(budget, per_token, context, cache["prealloc"], cache["step"], cache["max_context"])
 
 
-def _same_tokens(model: Any, cache: dict[str, Any], vocab: int, seed: int) -> float:
-    """Greedy tokens through ``cache`` vs the growing cache on a small batch (1.0 = identical)."""
+def _winners(measured: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The fastest measured row at each batch size."""
+    best: dict[int, dict[str, Any]] = {}
+    for row in measured:
+        held = best.get(row["batch_size"])
+        if held is None or row["throughput_tok_s"] > held["throughput_tok_s"]:
+            best[row["batch_size"]] = row
+    return dict(sorted(best.items()))
+
+
+def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One cache config, or a by_batch one: each measured batch size gets its winner, batch sizes in
+    between the next larger measured one's, and larger ones the largest's."""
+    from opus.kvcache import by_batch_config
+
+    rules: list[tuple[int | None, dict[str, Any]]] = []
+    for batch, row in winners.items():
+        if rules and rules[-1][1] == row["cache"]:
+            rules[-1] = (batch, row["cache"])
+        else:
+            rules.append((batch, row["cache"]))
+    if len(rules) == 1:
+        return dict(rules[0][1])
+    return by_batch_config([*rules[:-1], (None, rules[-1][1])])
+
+
+def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: int, vocab: int, seed: int) -> float:
+    """Greedy tokens through the row's cache vs the growing cache, at its batch size (1.0 = identical)."""
     from opus.data import random_blocks
     from opus.engine import generate, model_device
     from opus.kvcache import cache_factory
 
-    prompts = random_blocks(2, 16, vocab, seed).to(model_device(model))
-    want = generate(model, prompts, 8, cache_factory(model)).tokens
-    got = generate(model, prompts, 8, cache_factory(model, cache)).tokens
+    prompts = random_blocks(row["batch_size"], input_len, vocab, seed + 1).to(model_device(model))
+    want = generate(model, prompts, output_len, cache_factory(model)).tokens
+    got = generate(model, prompts, output_len, cache_factory(model, row["cache"])).tokens
     return float((want == got).float().mean())
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     import torch
 
+    from opus import static_cache
     from opus.data import random_blocks
     from opus.engine import model_device, supports_cache
     from opus.kvcache import cache_factory, kv_cache_step
@@ -97,8 +140,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     context = input_len + output_len
     if context > max_ctx:
         raise ValueError(f"the workload needs {context} positions; max_context is {max_ctx}")
-    batches = sorted(set(cfg.batch_sizes or [wl.batch_size]))
-    candidates = _candidates(cfg, max_ctx)
+    batches = sorted(set(cfg.batch_sizes or [1, wl.batch_size]))
+    candidates = _candidates(cfg, max_ctx, model)
     progress = Progress(ctx.progress)
     progress.expect(len(candidates) * len(batches) * (max(1, warmup) + repeats) * output_len)
     rows: list[dict[str, Any]] = []
@@ -118,10 +161,12 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     if not measured:
         raise ValueError(f"no candidate fits the memory budget of {budget / MB:.0f} MB "
                          f"({per_token} KV bytes per token, {context} positions per sequence)")
-    best = max(measured, key=lambda r: r["throughput_tok_s"])
-    growing = [r for r in measured if r["cache"]["kind"] == "growing" and r["batch_size"] == best["batch_size"]]
-    chosen = best["cache"]
-    match = _same_tokens(model, chosen, vocab_size(model), cfg.seed) if chosen["kind"] != "growing" else 1.0
+    winners = _winners(measured)
+    best = max(winners.values(), key=lambda r: r["throughput_tok_s"])  # the batch size to serve at
+    chosen = _choice(winners)
+    checked = {json.dumps(r["cache"], sort_keys=True): r for r in winners.values() if r["cache"]["kind"] != "growing"}
+    match = min((_same_tokens(model, r, input_len, output_len, vocab_size(model), cfg.seed)
+                 for r in checked.values()), default=1.0)
     sizing = {"kv_bytes_per_token": per_token, "memory_budget_mb": budget / MB, "context": context,
               "max_context": max_ctx, "max_batch": best["max_batch"], "batch_size": best["batch_size"]}
     step = kv_cache_step(chosen)
@@ -129,10 +174,20 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     metrics: dict[str, Any] = {
         "kv_throughput_tok_s": best["throughput_tok_s"], "kv_peak_mem_mb": best.get("peak_mem_mb"),
         "kv_max_batch": best["max_batch"], "kv_batch_size": best["batch_size"], "kv_bytes_per_token": per_token,
-        "kv_pooled": float(chosen["kind"] != "growing"), "kv_exact_match": match}
-    if growing:
-        metrics["kv_speedup_vs_growing"] = best["throughput_tok_s"] / growing[0]["throughput_tok_s"]
+        "kv_pooled": float(best["cache"]["kind"] == "pooled"), "kv_exact_match": match,
+        "kv_by_batch": float(chosen["kind"] == "by_batch")}
+    for batch, row in winners.items():
+        growing = [r for r in measured if r["cache"]["kind"] == "growing" and r["batch_size"] == batch]
+        if growing:
+            metrics[f"kv_speedup_vs_growing_b{batch}"] = row["throughput_tok_s"] / growing[0]["throughput_tok_s"]
+    if f"kv_speedup_vs_growing_b{best['batch_size']}" in metrics:
+        metrics["kv_speedup_vs_growing"] = metrics[f"kv_speedup_vs_growing_b{best['batch_size']}"]
+    notes = list(dict.fromkeys(static_cache.NOTES))
+    for note in notes:
+        ctx.log(note)
     ctx.write_artifact("kv_config.json", {"chosen": chosen, "sizing": sizing, "candidates": rows,
+                                          "winners": {str(b): r["cache"] for b, r in winners.items()},
+                                          "notes": notes,
                                           "workload": {"input_len": input_len, "output_len": output_len,
                                                        "batch_sizes": batches, "repeats": repeats}})
     return StageResult(metrics=metrics, recipe=[step], info={"kv_cache": chosen})

@@ -8,7 +8,8 @@ import pytest
 from fusion_project import context, make_project
 
 from opus.fusion import GroupedMoE
-from opus.kvcache import cache_config_from_recipe
+from opus.kvcache import cache_config_from_recipe, make_cache
+from opus.models import ModelConfig
 from opus.spec import load_pipeline
 from opus.state import materialize
 from stages import kv_config
@@ -17,20 +18,27 @@ SMALL = {"batch_sizes": [1, 2], "input_len": 6, "output_len": 3, "repeats": 1, "
          "prealloc": [4], "step": [2, 8]}
 
 
+SHAPE = ModelConfig(family="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,
+                    num_kv_heads=2, head_dim=8)
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def test_measures_candidates_and_records_the_choice(tmp_path):
+def test_measures_candidates_and_records_the_fastest_at_each_batch_size(tmp_path):
     pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
     result = kv_config.run(context(pipeline, tmp_path / "out", "kv"), kv_config.Config(**SMALL))
     assert result.model is None and len(result.recipe) == 1
     step = result.recipe[0]
     chosen = cache_config_from_recipe(result.recipe)
-    assert step["kind"] == "kv_cache" and chosen["kind"] in ("pooled", "growing")
+    assert step["kind"] == "kv_cache" and chosen["kind"] in ("pooled", "growing", "static", "by_batch")
     assert step["sizing"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # layers x KV heads x head dim x fp32
     report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
-    assert len(report["candidates"]) == 3 * 2  # (2 pooled + growing) x 2 batch sizes
+    assert len(report["candidates"]) == 4 * 2  # (2 pooled + growing + static) x 2 batch sizes
     assert all(c["throughput_tok_s"] > 0 for c in report["candidates"])
+    for batch in (1, 2):  # the recipe's cache at each batch size is the fastest measured there
+        rows = [c for c in report["candidates"] if c["batch_size"] == batch]
+        fastest = max(rows, key=lambda c: c["throughput_tok_s"])["cache"]
+        assert report["winners"][str(batch)] == fastest
+        assert type(make_cache(chosen, SHAPE, batch, 16)) is type(make_cache(fastest, SHAPE, batch, 16))
     assert result.metrics["kv_exact_match"] == 1.0 and result.metrics["kv_max_batch"] >= 2
 
 
@@ -41,7 +49,8 @@ def test_budget_limits_the_batch(tmp_path):
     result = kv_config.run(context(pipeline, tmp_path / "out", "kv"), cfg)
     report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
     skipped = [c for c in report["candidates"] if "skipped" in c]
-    assert skipped and all(c["batch_size"] == 2 and "does not fit" in c["skipped"] for c in skipped)
+    assert all("does not fit" in c["skipped"] for c in skipped)
+    assert [c for c in report["candidates"] if c["batch_size"] == 2] == [c for c in skipped if c["batch_size"] == 2]
     assert result.metrics["kv_batch_size"] == 1
 
 
