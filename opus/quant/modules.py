@@ -115,6 +115,18 @@ class Int8WeightOnlyLinear(Int8WeightLinear):
         return self._weight_only_matmul(x)
 
 
+@torch.library.custom_op("opus::int4_mm_cpu", mutates_args=())
+def int4_mm_cpu(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's CPU int4 weight-only GEMM, as an op inductor calls rather than lowers."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, group_size, scales_and_zeros)
+
+
+@int4_mm_cpu.register_fake
+def _int4_mm_cpu_shape(x: torch.Tensor, weight: torch.Tensor, group_size: int,
+                       scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
 class Int4WeightOnlyLinear(QuantLinear):
     """W4A16: asymmetric int4 per group of input channels; tinygemm-style int4 GEMM."""
 
@@ -160,9 +172,10 @@ class Int4WeightOnlyLinear(QuantLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cpu":
             sz = self.scales_and_zeros.to(torch.bfloat16)  # A16, as for int8 weights: bf16 is the fast path
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self._kernel_weight,
-                                                            self.group_size, sz)
-            return y.to(x.dtype)
+            # Inductor's own lowering of this kernel fails on a computed input (torch 2.13): compiled
+            # graphs call it as an opaque op instead.
+            kernel = int4_mm_cpu if torch.compiler.is_compiling() else torch.ops.aten._weight_int4pack_mm_for_cpu
+            return kernel(x.to(torch.bfloat16), self._kernel_weight, self.group_size, sz).to(x.dtype)
         sz = self.scales_and_zeros.to(x.dtype)
         return torch._weight_int4pack_mm(x.to(torch.bfloat16), self._kernel_weight, self.group_size,
                                          sz.to(torch.bfloat16)).to(x.dtype)
