@@ -165,6 +165,19 @@ def by_batch_config(rules: list[tuple[int | None, dict[str, Any]]]) -> dict[str,
                                         for up_to, c in rules]}
 
 
+def describe_cache(config: dict[str, Any] | None) -> str:
+    """One line for people: ``static, compiled decode up to batch 1; pooled above``."""
+    config = config or {}
+    kind = config.get("kind", DEFAULT_KIND)
+    if kind == BY_BATCH:
+        rules = config.get("rules") or []
+        parts = [f"{describe_cache(r.get('cache'))} up to batch {r['up_to']}" for r in rules if "up_to" in r]
+        return "; ".join([*parts, f"{describe_cache(rules[-1].get('cache'))} above"]) if rules else kind
+    if kind == "static" and config.get("compile", True):
+        return "static, compiled decode"
+    return str(kind)
+
+
 @register_cache(BY_BATCH)
 def _by_batch(options: dict[str, Any], shape: CacheShape) -> KVCache:
     """What a kv_config stage writes when the fastest cache differs between batch sizes (e.g. a

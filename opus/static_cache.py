@@ -139,6 +139,11 @@ def _with_fallback(model: nn.Module, compiled: Step) -> Step:
     return step
 
 
+def compile_notes() -> list[str]:
+    """This process's compile fallbacks, each once."""
+    return list(dict.fromkeys(NOTES))
+
+
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> dict[str, Any]:
     return {"kind": KIND, "provider": PROVIDER, "compile": compile_decode, "slot_multiple": slot_multiple}
 

@@ -45,6 +45,7 @@ def measure_incoming(ctx: Any, cfg: MeasureConfig, extra_units: int = 0) -> Meas
     from opus.engine import supports_cache
     from opus.kvcache import cache_config_from_recipe, cache_factory
     from opus.metrics import Progress, Settings, measure_suite, prepare_inputs
+    from opus.static_cache import compile_notes
 
     loaded = ctx.load_model()
     cache_config = cache_config_from_recipe(loaded.state.get("recipe"))
@@ -61,4 +62,6 @@ def measure_incoming(ctx: Any, cfg: MeasureConfig, extra_units: int = 0) -> Meas
                             ctx.base_dir, ctx.log)
     metrics, info = measure_suite(loaded.model, inputs, ctx.workload, settings, factory, progress)
     info["kv_cache"] = cache_config or {"kind": "growing"}
+    for note in compile_notes():
+        ctx.log(note)
     return Measured(loaded, inputs, factory, progress, metrics, info)

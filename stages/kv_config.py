@@ -182,7 +182,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
             metrics[f"kv_speedup_vs_growing_b{batch}"] = row["throughput_tok_s"] / growing[0]["throughput_tok_s"]
     if f"kv_speedup_vs_growing_b{best['batch_size']}" in metrics:
         metrics["kv_speedup_vs_growing"] = metrics[f"kv_speedup_vs_growing_b{best['batch_size']}"]
-    notes = list(dict.fromkeys(static_cache.NOTES))
+    notes = static_cache.compile_notes()
     for note in notes:
         ctx.log(note)
     ctx.write_artifact("kv_config.json", {"chosen": chosen, "sizing": sizing, "candidates": rows,

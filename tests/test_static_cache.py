@@ -130,3 +130,11 @@ def test_by_batch_builds_each_batch_sizes_cache():
 def test_by_batch_rules_are_checked(rules, message):
     with pytest.raises(ValueError, match=message):
         cache_factory(tiny_lm("llama"), {"kind": BY_BATCH, "rules": rules})
+
+
+def test_a_cache_choice_reads_as_one_line():
+    from opus.kvcache import describe_cache
+
+    config = by_batch_config([(1, cache_config(True)), (8, {"kind": "growing"}), (None, {"kind": "pooled"})])
+    assert describe_cache(config) == "static, compiled decode up to batch 1; growing up to batch 8; pooled above"
+    assert describe_cache(None) == "growing"

@@ -18,7 +18,7 @@ from torch import nn
 
 from opus.bench.core import BenchContext, Built, Contender, Unavailable
 from opus.engine import full_logits, generate
-from opus.kvcache import cache_config_from_recipe, cache_factory
+from opus.kvcache import cache_config_from_recipe, cache_factory, describe_cache
 
 
 def _on_cpu(ctx: BenchContext, what: str) -> None:
@@ -171,8 +171,15 @@ def opus_run(ctx: BenchContext) -> Built:
     config = cache_config_from_recipe(recipe)
     kinds = ", ".join(step.get("kind", "?") for step in recipe) or "none"
     notes = [f"final model of {ctx.checkpoint.parent.parent.name} (checkpoint {ctx.checkpoint.name}); "
-             f"recipe: {kinds}; KV cache {(config or {}).get('kind', 'growing')}"]
-    return Built(loaded.model.eval(), cache_factory(loaded.model, config), notes)
+             f"recipe: {kinds}; KV cache {describe_cache(config)}"]
+    return Built(loaded.model.eval(), cache_factory(loaded.model, config), notes, close=lambda: _compile_notes(notes))
+
+
+def _compile_notes(notes: list[str]) -> None:
+    """A static cache that could not compile its decode step ran it eagerly: the row says so."""
+    from opus.static_cache import compile_notes
+
+    notes.extend(n for n in compile_notes() if n not in notes)
 
 
 CONTENDERS = (
