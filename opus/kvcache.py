@@ -9,6 +9,10 @@ recipe: a recipe step ``{"kind": "kv_cache", "cache": {"kind": "name", ...}}`` (
 may name the module that registers its kind, ``{"kind": "name", "provider": "pkg.module"}``, so a
 fresh worker process that never imported it can still build the cache.
 
+Kinds: ``growing`` (here), ``pooled`` (opus.kvpool), ``static`` with compiled decode steps
+(opus.static_cache), and ``by_batch``, a per-batch-size choice among them (what kv_config writes
+when the fastest cache differs between batch sizes).
+
 Model interface: attention in layer i calls ``k_all, v_all = cache.update(i, k, v)`` with ``k, v``
 of shape ``[B, num_kv_heads, T, head_dim]`` and attends to everything returned, ``[B, H, S, D]``.
 """

@@ -10,7 +10,10 @@ Interface used by the engine::
     logits = model(input_ids, cache=None, start_pos=0, last_only=False)   # [B, T or 1, vocab]
 
 With a cache, attention in layer i calls ``k_all, v_all = cache.update(i, k, v)`` (k, v after RoPE,
-``[B, num_kv_heads, T, head_dim]``) and attends to everything the cache returns.
+``[B, num_kv_heads, T, head_dim]``) and attends to everything the cache returns — masked by the
+cache's ``mask`` when it has one. A cache with ``decode_step`` (opus.static_cache) runs one-token
+steps itself: it calls the model back with a view that carries the ``positions`` as a tensor, so a
+compiled step never specializes on the position.
 
 fx status (torch 2.13, tested in tests/models/test_fx.py): ``torch.fx.symbolic_trace`` succeeds on
 the whole model with ``concrete_args={"cache": None, "start_pos": 0, "last_only": False}`` (or
