@@ -5,7 +5,7 @@
 At batch 1 on a CPU a decode step is bound by per-op dispatch (about a thousand aten calls per K3
 step), not by arithmetic. A step with static shapes can be compiled once into a single C++ function
 (inductor with ``cpp_wrapper``) that calls the kernels directly. Shapes stay static because the cache
-holds one preallocated buffer per K and V (``[layers, B, kv_heads, slots, head_dim]``); a decode step
+holds preallocated K and V buffers per layer (``[B, kv_heads, slots, head_dim]``); a decode step
 writes its slot at a position *tensor* and attends to every slot through a ``slot <= position``
 mask, so step 100 has the same shapes and the same graph as step 1. Slots are the request's length
 rounded up to ``slot_multiple``, so nearby lengths share one compiled graph.
@@ -20,6 +20,8 @@ once per model, and says why in ``notes``.
 
 from __future__ import annotations
 
+import itertools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -34,13 +36,20 @@ PROVIDER = "opus.static_cache"
 DEFAULT_SLOT_MULTIPLE = 128
 Step = Callable[..., torch.Tensor]
 _STEPS: weakref.WeakKeyDictionary[nn.Module, Step] = weakref.WeakKeyDictionary()
+_SERIAL = itertools.count()
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
 
 
 class DecodeView:
-    """What the model sees during a compiled decode step: every slot, the position, the mask."""
+    """What the model sees during a compiled decode step: every slot, the position, the mask.
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, key_pos: torch.Tensor, positions: torch.Tensor) -> None:
+    One tensor per layer, not one for all layers: written in place through a view of a bigger
+    buffer, the compiled step copied the whole cache each step (functionalization scatters the view
+    back into its base); a whole graph input is updated in place.
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], key_pos: torch.Tensor,
+                 positions: torch.Tensor) -> None:
         self.k, self.v, self.positions = k, v, positions
         self.mask = key_pos[None, :] <= positions[:, None]  # [T, S]: slot s visible to the token at p iff s <= p
 
@@ -58,9 +67,9 @@ class StaticKVCache:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = -(-shape.max_seq_len // slot_multiple) * slot_multiple
-        dims = (shape.num_layers, shape.batch_size, shape.num_kv_heads, slots, shape.head_dim)
-        self.k = torch.zeros(dims, device=shape.device, dtype=shape.dtype)
-        self.v = torch.zeros(dims, device=shape.device, dtype=shape.dtype)
+        dims = (shape.batch_size, shape.num_kv_heads, slots, shape.head_dim)
+        self.k = [torch.zeros(dims, device=shape.device, dtype=shape.dtype) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(dims, device=shape.device, dtype=shape.dtype) for _ in range(shape.num_layers)]
         self.key_pos = torch.arange(slots, device=shape.device)
         self.position = torch.zeros(1, dtype=torch.long, device=shape.device)
         self.compile_decode = compile_decode
@@ -68,7 +77,7 @@ class StaticKVCache:
 
     @property
     def slots(self) -> int:
-        return int(self.k.shape[3])
+        return int(self.k[0].shape[2])
 
     @property
     def seq_len(self) -> int:
@@ -77,10 +86,10 @@ class StaticKVCache:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._lens[layer], self._lens[layer] + k.shape[2]
         self._check(end, k.shape[0])
-        self.k[layer, :, :, start:end].copy_(k)
-        self.v[layer, :, :, start:end].copy_(v)
+        self.k[layer][:, :, start:end].copy_(k)
+        self.v[layer][:, :, start:end].copy_(v)
         self._lens[layer] = end
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def decode_step(self, model: nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Logits ``[B, 1, V]`` of one new token per row at ``start_pos`` (the next free slot)."""
@@ -96,18 +105,18 @@ class StaticKVCache:
     def _check(self, end: int, batch: int) -> None:
         if end > self.slots:
             raise ValueError(f"{end} positions exceed the static KV cache's {self.slots} slots")
-        if batch != self.k.shape[1]:
-            raise ValueError(f"batch {batch} does not match the static KV cache's {self.k.shape[1]}")
+        if batch != self.k[0].shape[0]:
+            raise ValueError(f"batch {batch} does not match the static KV cache's {self.k[0].shape[0]}")
 
     def reset(self) -> None:
         self._lens = [0] * len(self._lens)
 
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
 def eager_step(model: nn.Module) -> Step:
-    def step(ids: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def step(ids: torch.Tensor, positions: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
              key_pos: torch.Tensor) -> torch.Tensor:
         return model(ids, cache=DecodeView(k, v, key_pos, positions), last_only=True)
 
@@ -118,15 +127,27 @@ def compiled_step(model: nn.Module) -> Step:
     """The model's decode step compiled (once per model; inductor recompiles per batch and slot count)."""
     step = _STEPS.get(model)
     if step is None:
-        step = _with_fallback(model, torch.compile(eager_step(model), fullgraph=True, dynamic=False,
-                                                   options={"cpp_wrapper": True}))
+        # No guards on the model's modules: checking them cost ~0.16 ms per K3 step, an eighth of the
+        # step. Safe here: a compiled step belongs to one model, whose weights are frozen; shapes and
+        # dtypes of the step's tensors are still guarded (a new batch size or slot count recompiles).
+        # Without those guards, dynamo would hand one model's graph to another model's step (compiled
+        # code is cached per code object): each model's step gets a code object of its own.
+        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        step = _with_fallback(model, torch.compile(_own_code(eager_step(model)), fullgraph=True, dynamic=False,
+                                                   options=options))
         _STEPS[model] = step
     return step
 
 
+def _own_code(fn: Step) -> Step:
+    """``fn`` with a copy of its code object (dynamo's cache of compiled graphs hangs off the code)."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_SERIAL)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def _with_fallback(model: nn.Module, compiled: Step) -> Step:
     """``compiled``, or — if compiling fails — the eager step from then on, with the reason in NOTES."""
-    def step(*args: torch.Tensor) -> torch.Tensor:
+    def step(*args: Any) -> torch.Tensor:
         try:
             return compiled(*args)
         except Exception as exc:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower

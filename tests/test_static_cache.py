@@ -49,11 +49,11 @@ def test_slots_round_up_and_the_cache_refuses_what_does_not_fit():
 
 
 def test_decode_view_masks_the_slots_past_the_position():
-    k = torch.zeros(1, 1, 1, 4, 2)
-    view = DecodeView(k, k.clone(), torch.arange(4), torch.tensor([1]))
+    k = [torch.zeros(1, 1, 4, 2)]
+    view = DecodeView(k, [k[0].clone()], torch.arange(4), torch.tensor([1]))
     assert view.mask.tolist() == [[True, True, False, False]]
     view.update(0, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
-    assert view.k[0, 0, 0, :, 0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert k[0][0, 0, :, 0].tolist() == [0.0, 1.0, 0.0, 0.0]  # written in place, at the position
 
 
 def mixed_formats(name: str) -> str:
@@ -92,12 +92,12 @@ def test_compiled_decode_of_a_quantized_fused_moe_gives_the_eager_tokens_with_on
 def test_a_decode_step_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch):
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/opus-test-cxx",))
     monkeypatch.setattr(static_cache, "NOTES", [])
     model = tiny_lm("llama", hidden_size=24, seed=7)  # a shape no earlier test compiled (no cache hit)
     ids = prompts(1, 5)
     want = generate(model, ids, 4).tokens
-    got = generate(model, ids, 4, cache_factory(model, cache_config(True))).tokens
+    with inductor.patch({"cpp.cxx": ("/nonexistent/opus-test-cxx",)}):
+        got = generate(model, ids, 4, cache_factory(model, cache_config(True))).tokens
     assert torch.equal(got, want)
     assert len(static_cache.NOTES) == 1 and "decode step not compiled, runs eagerly" in static_cache.NOTES[0]
 
@@ -138,3 +138,16 @@ def test_a_cache_choice_reads_as_one_line():
     config = by_batch_config([(1, cache_config(True)), (8, {"kind": "growing"}), (None, {"kind": "pooled"})])
     assert describe_cache(config) == "static, compiled decode up to batch 1; growing up to batch 8; pooled above"
     assert describe_cache(None) == "growing"
+
+
+@needs_cxx
+def test_each_model_runs_its_own_compiled_step(monkeypatch):
+    """Two models of one structure: the second must not run the first one's graph or weights."""
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    ids = prompts(1, 6)
+    for seed in (11, 12):
+        model = tiny_lm("qwen3", seed=seed)
+        want = generate(model, ids, 5, return_logits=True)
+        got = generate(model, ids, 5, cache_factory(model, cache_config(True)), return_logits=True)
+        assert torch.allclose(got.logits, want.logits, atol=1e-4), seed
+    assert static_cache.NOTES == []

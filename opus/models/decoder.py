@@ -100,6 +100,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa:
     # a single decode token attends to everything, so it needs no mask — unless the cache returned
     # slots not written yet, and a mask (``[T, S]``, True = visible) with them.
     t, s = q.shape[2], k.shape[2]
+    if mask is not None and gqa:
+        # Query head h reads KV head h // group: fold each group into the query length so every
+        # cache slot is read once, never expanded per head (compiled, enable_gqa copied the cache).
+        b, heads, _, d = q.shape
+        group = heads // k.shape[1]
+        out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], group * t, d), k, v,
+                                             attn_mask=mask.repeat(group, 1))
+        return out.view(b, heads, t, d)
     if mask is None and not causal and t > 1:
         rows = torch.arange(t, device=q.device)[:, None] + (s - t)
         mask = torch.arange(s, device=q.device)[None, :] <= rows
