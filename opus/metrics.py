@@ -168,6 +168,7 @@ def measure_throughput(model: nn.Module, prompts: torch.Tensor, output_len: int,
     runs += [run("P") for _ in range(repeats - 1)]
     out = {"throughput_tok_s": statistics.median(r.tok_s for r in runs),
            "peak_mem_mb": memory.peak_mb, "peak_mem_rise_mb": memory.rise_mb, "peak_mem_method": memory.method}
+    out["prefill_ms_batch"] = statistics.median(r.ttft_s for r in runs) * 1000  # the whole batch's prefill
     if output_len > 1:
         out["decode_tok_s_batch"] = statistics.median(r.decode_tok_s for r in runs)
     return out

@@ -120,7 +120,7 @@ def test_suite_reports_every_metric_and_exact_progress(model) -> None:
     inputs.eval_blocks = blocks(3, 10)
     progress.expect(fidelity_units(3))
     got, info = measure_suite(model, inputs, workload, Settings(eval_batch_size=2), cache_factory(model), progress)
-    for key in ("throughput_tok_s", "decode_tok_s_batch", "ttft_ms", "decode_tok_s", "peak_mem_mb",
+    for key in ("throughput_tok_s", "prefill_ms_batch", "decode_tok_s_batch", "ttft_ms", "decode_tok_s", "peak_mem_mb",
                 "perplexity", "top1_accuracy", "model_mb"):
         assert got[key] > 0, key
     assert info["prompt_source"] == "random" and info["memory_method"]

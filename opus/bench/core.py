@@ -130,8 +130,8 @@ def measure(built: Built, ctx: BenchContext, progress: Progress, baseline: bool)
     return metrics
 
 
-RATIO_KEYS = ("throughput_tok_s", "decode_tok_s_batch", "ttft_ms", "decode_tok_s", "peak_mem_mb", "model_mb",
-              "perplexity")
+RATIO_KEYS = ("throughput_tok_s", "prefill_ms_batch", "decode_tok_s_batch", "ttft_ms", "decode_tok_s", "peak_mem_mb",
+              "model_mb", "perplexity")
 
 
 def judge(rows: list[Row], budget: float) -> None:
