@@ -6,7 +6,8 @@
   the median of at least ``TTFT_SAMPLES`` requests.
 - Peak memory (``peak_mem_mb``): on CUDA the allocator's peak; on CPU the process's peak RSS while
   the batch workload runs (the kernel's high-water mark, reset first; RSS sampled in a thread where
-  the kernel does not allow the reset). Measured in an untimed warm-up run, so timing is undisturbed.
+  the kernel does not allow the reset). Measured on the first timed run, after a warm-up, so one-time
+  work (compiling, first-touch allocations) is not counted.
 - Quality: perplexity and next-token top-1 accuracy on evaluation blocks.
 - Fidelity on fixed prompts: ``agreement`` is teacher-forced — on the baseline's own greedy
   continuation, the fraction of positions where the candidate's argmax equals the baseline's;

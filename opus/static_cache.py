@@ -40,6 +40,16 @@ _SERIAL = itertools.count()
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
 
 
+def slots_for(tokens: int, slot_multiple: int) -> int:
+    """Slots a request of ``tokens`` positions gets: rounded up to whole ``slot_multiple``s."""
+    return -(-tokens // slot_multiple) * slot_multiple
+
+
+def max_batch(budget_bytes: int, per_token_bytes: int, context_len: int, slot_multiple: int) -> int:
+    """The most sequences of ``context_len`` positions whose static caches fit ``budget_bytes``."""
+    return max(0, budget_bytes // (per_token_bytes * slots_for(context_len, slot_multiple)))
+
+
 class DecodeView:
     """What the model sees during a compiled decode step: every slot, the position, the mask.
 
@@ -66,7 +76,7 @@ class StaticKVCache:
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
-        slots = -(-shape.max_seq_len // slot_multiple) * slot_multiple
+        slots = slots_for(shape.max_seq_len, slot_multiple)
         dims = (shape.batch_size, shape.num_kv_heads, slots, shape.head_dim)
         self.k = [torch.zeros(dims, device=shape.device, dtype=shape.dtype) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(dims, device=shape.device, dtype=shape.dtype) for _ in range(shape.num_layers)]
@@ -97,8 +107,8 @@ class StaticKVCache:
             raise ValueError(f"decode at position {start_pos}, but the static KV cache holds {self.seq_len}")
         self._check(start_pos + 1, input_ids.shape[0])
         self.position.fill_(start_pos)
-        logits = compiled_step(model) if self.compile_decode else eager_step(model)
-        out = logits(input_ids, self.position, self.k, self.v, self.key_pos)
+        step = compiled_step(model) if self.compile_decode else eager_step(model)
+        out = step(input_ids, self.position, self.k, self.v, self.key_pos)
         self._lens = [start_pos + 1] * len(self._lens)
         return out
 

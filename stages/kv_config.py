@@ -67,12 +67,12 @@ def _candidates(cfg: Config, max_ctx: int, model: Any) -> list[dict[str, Any]]:
 
 def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> int:
     from opus.kvpool import max_batch
+    from opus.static_cache import max_batch as static_max_batch
 
     if cache["kind"] == "growing":  # holds exactly the context (plus a transient copy while growing)
         return max(0, budget // (2 * per_token * context))
     if cache["kind"] == "static":  # the context rounded up to whole slot multiples, allocated at once
-        multiple = cache["slot_multiple"]
-        return max(0, budget // (per_token * (-(-context // multiple) * multiple)))
+        return static_max_batch(budget, per_token, context, cache["slot_multiple"])
     return max_batch(budget, per_token, context, cache["prealloc"], cache["step"], cache["max_context"])
 
 

@@ -19,7 +19,8 @@ METHODS = {
                   "(median of repeats; lower is better)",
     "decode bN": "tokens/s of the decode steps of the P workload (batch N = batch_size, prefill excluded)",
     "decode b1": "tokens/s of the decode steps of that single request (batch 1)",
-    "peak MB": "the process's peak resident memory while the batch workload runs (untimed warm-up run); "
+    "peak MB": "the process's peak resident memory while the batch workload runs (its first timed run, "
+               "after a warm-up); "
                "all contenders run in one process, one after the other, so it also holds what the process "
                "kept from earlier contenders (freed heap is returned to the OS between contenders)",
     "rise MB": "how far the peak rose above the resident memory at the start of the batch workload: what "
