@@ -16,7 +16,9 @@
   divergence costs everything after it. ``logits_cosine`` and ``top5_overlap`` are means over the
   teacher-forced positions.
 
-Timings: warm-up runs, then ``repeats`` runs, median reported. Long loops report progress.
+Timings: at least one warm-up run (compiling a decode step must not land in a speed metric), then
+``repeats`` runs; the median is reported and ``<key>_spread`` keeps min, median, max and count of the
+repeats (see opus.noise). Long loops report progress.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from torch import nn
 from opus.data import DataError, cut_blocks, random_blocks, token_stream
 from opus.engine import full_logits, generate, model_device
 from opus.kvcache import CacheFactory
+from opus.noise import spread, spread_key
 
 ProgressFn = Callable[..., None]  # (done, total, what) — StageContext.progress
 MB = 1 << 20
@@ -167,12 +170,18 @@ def measure_throughput(model: nn.Module, prompts: torch.Tensor, output_len: int,
     with memory:
         runs = [run("P")]
     runs += [run("P") for _ in range(repeats - 1)]
-    out = {"throughput_tok_s": statistics.median(r.tok_s for r in runs),
-           "peak_mem_mb": memory.peak_mb, "peak_mem_rise_mb": memory.rise_mb, "peak_mem_method": memory.method}
-    out["prefill_ms_batch"] = statistics.median(r.ttft_s for r in runs) * 1000  # the whole batch's prefill
+    out: dict[str, Any] = {"peak_mem_mb": memory.peak_mb, "peak_mem_rise_mb": memory.rise_mb,
+                           "peak_mem_method": memory.method}
+    out.update(_timed("throughput_tok_s", [r.tok_s for r in runs]))
+    out.update(_timed("prefill_ms_batch", [r.ttft_s * 1000 for r in runs]))  # the whole batch's prefill
     if output_len > 1:
-        out["decode_tok_s_batch"] = statistics.median(r.decode_tok_s for r in runs)
+        out.update(_timed("decode_tok_s_batch", [r.decode_tok_s for r in runs]))
     return out
+
+
+def _timed(key: str, values: list[float]) -> dict[str, Any]:
+    """A timed metric: the median of its repeats under ``key``, their spread beside it."""
+    return {key: statistics.median(values), spread_key(key): spread(values)}
 
 
 # A prefill is short and the machine's noise is not: D takes the median of at least this many.
@@ -180,26 +189,29 @@ TTFT_SAMPLES = 9
 
 
 def measure_latency(model: nn.Module, prompt: torch.Tensor, output_len: int, factory: CacheFactory,
-                    warmup: int = 1, repeats: int = 3, progress: Progress | None = None) -> dict[str, float]:
+                    warmup: int = 1, repeats: int = 3, progress: Progress | None = None) -> dict[str, Any]:
     """D (ms) of a single request and, when ``output_len > 1``, its decode speed at batch 1.
 
-    D is the median of ``max(repeats, TTFT_SAMPLES)`` first tokens: the full requests' first tokens
-    and, when those are fewer, extra one-token requests (cheap: a prefill each).
+    At least one warm-up request comes first, as for P: batch 1 may run other code than the batch
+    (a decode step compiled per batch size), and its one-time compilation must not land in D or
+    ``decode_tok_s``. D is the median of ``max(repeats, TTFT_SAMPLES)`` first tokens: the full
+    requests' first tokens and, when those are fewer, extra one-token requests (cheap: a prefill each).
     """
     progress = progress or Progress()
+    warmup = max(1, warmup)
     runs = []
     for index in range(warmup + repeats):
         what = "D warm-up" if index < warmup else "D"
         result = generate(model, prompt[:1], output_len, factory, on_step=lambda _, w=what: progress.advance(1, w))
         if index >= warmup:
             runs.append(result)
-    ttfts = [r.ttft_s for r in runs]
+    ttfts = [r.ttft_s * 1000 for r in runs]
     for _ in range(TTFT_SAMPLES - len(ttfts)):
-        ttfts.append(generate(model, prompt[:1], 1, factory).ttft_s)
+        ttfts.append(generate(model, prompt[:1], 1, factory).ttft_s * 1000)
         progress.advance(1, "D")
-    out = {"ttft_ms": statistics.median(ttfts) * 1000}
+    out = _timed("ttft_ms", ttfts)
     if output_len > 1:
-        out["decode_tok_s"] = statistics.median(r.decode_tok_s for r in runs)
+        out.update(_timed("decode_tok_s", [r.decode_tok_s for r in runs]))
     return out
 
 
@@ -345,8 +357,8 @@ def fidelity_prompts(model: nn.Module, inputs: Inputs, count: int, length: int) 
 
 
 def suite_units(settings: Settings, workload: Any, eval_samples: int) -> int:
-    runs = workload.warmup + workload.repeats
-    units = (max(1, workload.warmup) + workload.repeats) * workload.output_len if settings.throughput else 0
+    runs = max(1, workload.warmup) + workload.repeats  # P and D both warm up at least once
+    units = runs * workload.output_len if settings.throughput else 0
     if settings.ttft:
         units += runs * (workload.output_len if settings.decode_batch1 else 1)
         units += max(0, TTFT_SAMPLES - workload.repeats)

@@ -136,7 +136,65 @@ def test_switches_turn_measurements_off(model) -> None:
     inputs = prepare_inputs(model, None, workload, None, None)
     settings = Settings(throughput=False, decode_batch1=False)
     got, _ = measure_suite(model, inputs, workload, settings, cache_factory(model))
-    assert set(got) == {"model_mb", "ttft_ms"}  # no evaluation blocks: no perplexity
+    assert set(got) == {"model_mb", "ttft_ms", "ttft_ms_spread"}  # no evaluation blocks: no perplexity
+
+
+class SlowFirstCall:
+    """Stands in for ``generate``: the first call is a thousand times slower (a compilation), the
+    others take the same fixed times; counts calls by batch size."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, model, prompts, new_tokens, factory, on_step=None):
+        from opus.engine import GenerationResult
+
+        slow = 1000.0 if not self.calls else 1.0
+        self.calls.append((prompts.shape[0], new_tokens))
+        for step in range(new_tokens):
+            if on_step:
+                on_step(step)
+        tokens = torch.zeros(prompts.shape[0], new_tokens, dtype=torch.long)
+        return GenerationResult(tokens=tokens, prompt_len=prompts.shape[1], ttft_s=0.01 * slow,
+                                decode_s=0.1 * slow, total_s=0.11 * slow)
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_latency_warms_up_so_a_slow_first_call_is_not_measured(model, monkeypatch, warmup: int) -> None:
+    fake = SlowFirstCall()
+    monkeypatch.setattr(metrics, "generate", fake)
+    workload = WorkloadSpec(batch_size=2, input_len=4, output_len=5, warmup=warmup, repeats=3)
+    inputs = prepare_inputs(model, None, workload, None, None)
+    reports: list[tuple] = []
+    progress = Progress(lambda done, total, what: reports.append((done, total, what)), interval_s=0)
+    got, _ = measure_suite(model, inputs, workload, Settings(throughput=False), cache_factory(model), progress)
+    full = [c for c in fake.calls if c == (1, 5)]
+    assert len(full) == max(1, warmup) + 3  # the warm-up ran even when the workload asked for none
+    assert got["decode_tok_s"] == 40.0 and got["decode_tok_s_spread"] == {"min": 40.0, "median": 40.0,
+                                                                          "max": 40.0, "n": 3}
+    assert got["ttft_ms"] == pytest.approx(10.0) and got["ttft_ms_spread"]["max"] == pytest.approx(10.0)
+    assert got["ttft_ms_spread"]["n"] == metrics.TTFT_SAMPLES
+    assert reports[-1][0] == reports[-1][1] == progress.total  # progress reaches the total it announced
+
+
+def test_every_speed_metric_records_the_spread_of_its_repeats(model, monkeypatch) -> None:
+    timings = iter([1.0, 1.0, 2.0, 4.0])  # warm-up, then three repeats of P
+
+    def generate(model, prompts, new_tokens, factory, on_step=None):
+        from opus.engine import GenerationResult
+
+        scale = next(timings)
+        tokens = torch.zeros(prompts.shape[0], new_tokens, dtype=torch.long)
+        return GenerationResult(tokens=tokens, prompt_len=prompts.shape[1], ttft_s=0.5 * scale,
+                                decode_s=0.5 * scale, total_s=scale)
+
+    monkeypatch.setattr(metrics, "generate", generate)
+    got = metrics.measure_throughput(model, torch.zeros(2, 4, dtype=torch.long), 3, cache_factory(model),
+                                     warmup=0, repeats=3)
+    assert got["throughput_tok_s"] == 3.0  # 6 tokens in 1, 2, 4 s: 6, 3, 1.5 tok/s
+    assert got["throughput_tok_s_spread"] == {"min": 1.5, "median": 3.0, "max": 6.0, "n": 3}
+    assert got["prefill_ms_batch_spread"] == {"min": 500.0, "median": 1000.0, "max": 2000.0, "n": 3}
+    assert got["decode_tok_s_batch_spread"]["min"] == 2.0 and got["decode_tok_s_batch_spread"]["max"] == 8.0
 
 
 def test_prompts_come_from_text_when_it_is_long_enough(tmp_path) -> None:
