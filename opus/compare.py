@@ -1,17 +1,28 @@
-"""``opus compare A B``: metrics flattened to dotted keys, old / new / Δ / Δ% per key, changed parameters.
+"""``opus compare A B``: metrics flattened to dotted keys, old / new / Δ / Δ% / direction per key,
+changed parameters.
 
-A and B are run directories, ``REV:path/to/run`` or git revisions (their latest committed run). A
-side that cannot be read is shown with its error; the other side is still shown.
+A and B are run directories, ``REV:path/to/run`` or git revisions (their latest committed run). The
+command refuses a side that cannot be read (one line on stderr, exit 2); the renderers here still
+show a side's error for callers that want both sides anyway.
+
+Direction says whether a change is ``better`` or ``worse`` (knowing which metrics are higher- or
+lower-is-better), or ``within noise`` when both sides' ranges over their repeats overlap (the rule
+and its justification: opus.noise). The spreads themselves (``<key>_spread.*``) are not rows: they
+are the ranges of their metric's row.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Any
 
 from opus.history import RunAt
+from opus.noise import SPREAD_SUFFIX, Range, as_range, overlap, part_spreads
 
 SUMMARY_PARTS = ("baseline", "final", "ratios")
 
@@ -35,6 +46,8 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"status": summary.get("status"), "final_stage": summary.get("final_stage")}
     for part in SUMMARY_PARTS:
         out.update(flatten(summary.get(part) or {}, part))
+    for part in ("baseline", "final"):  # their spreads, from the stage records when the summary lacks them
+        out.update(flatten(part_spreads(summary, part), part))
     for record in summary.get("stages", []):
         out.update(flatten(record.get("metrics") or {}, f"stages.{record['id']}.metrics"))
     out["rollbacks"] = len(summary.get("rollbacks", []))
@@ -58,6 +71,33 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
+def split_spreads(flat: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Range]]:
+    """Flat metrics without their ``<key>_spread.*`` entries, and those spreads as ``{key: (min, max)}``."""
+    values: dict[str, Any] = {}
+    spreads: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        head, _, field = key.rpartition(".")
+        if head.endswith(SPREAD_SUFFIX):
+            spreads.setdefault(head.removesuffix(SPREAD_SUFFIX), {})[field] = value
+        else:
+            values[key] = value
+    ranges = {key: found for key, spread in spreads.items() if (found := as_range(spread)) is not None}
+    return values, ranges
+
+
+# Which way is good, by the metric's own name (a key's last part, before/after suffixes removed).
+HIGHER_IS_BETTER = re.compile(r"tok_s|speedup|agreement|cosine|top5_overlap|top1_accuracy|exact_match")
+LOWER_IS_BETTER = re.compile(r"_ms(_|$)|_mb(_|$)|^perplexity$|ppl_increase|abs_diff")
+
+
+def sense(key: str) -> int:
+    """+1 when higher is better, -1 when lower is better, 0 when the metric has no good direction."""
+    name = re.sub(r"_(before|after)$", "", key.rpartition(".")[2])
+    if HIGHER_IS_BETTER.search(name):
+        return 1
+    return -1 if LOWER_IS_BETTER.search(name) else 0
+
+
 @dataclass
 class Row:
     key: str
@@ -65,10 +105,26 @@ class Row:
     new: Any
     delta: float | None = None
     delta_pct: float | None = None
+    old_range: Range | None = None  # [min, max] over the old side's repeats, where recorded
+    new_range: Range | None = None
+    direction: str = ""  # better | worse | within noise | unchanged | changed | added | removed
 
     @property
     def changed(self) -> bool:
         return self.old != self.new
+
+
+def direction(row: Row) -> str:
+    """better / worse by the metric's sense, unless the two sides' ranges overlap (within noise)."""
+    if not row.changed:
+        return "unchanged"
+    if row.old is None or row.new is None:
+        return "added" if row.old is None else "removed"
+    if row.delta is None or not sense(row.key):
+        return "changed"
+    if overlap(row.old_range, row.new_range):
+        return "within noise"
+    return "better" if row.delta * sense(row.key) > 0 else "worse"
 
 
 def diff_metrics(old: dict[str, Any], new: dict[str, Any]) -> list[Row]:
@@ -102,13 +158,19 @@ class Comparison:
         return self.a.error is None and self.b.error is None
 
 
-def compare_runs(a: RunAt, b: RunAt) -> Comparison:
-    old = summary_metrics(a.summary) if a.summary else {}
-    new = summary_metrics(b.summary) if b.summary else {}
+def compare_runs(a: RunAt, b: RunAt, only: Iterable[str] = ()) -> Comparison:
+    """Rows of every metric (only the keys matching one of the ``only`` globs, when given)."""
+    old, old_ranges = split_spreads(summary_metrics(a.summary) if a.summary else {})
+    new, new_ranges = split_spreads(summary_metrics(b.summary) if b.summary else {})
     params_old = pipeline_params(a.pipeline) if a.pipeline else {}
     params_new = pipeline_params(b.pipeline) if b.pipeline else {}
     params = [r for r in diff_metrics(params_old, params_new) if r.changed] if a.pipeline and b.pipeline else []
-    return Comparison(a, b, diff_metrics(old, new), params)
+    globs = list(only)
+    rows = [r for r in diff_metrics(old, new) if not globs or any(fnmatchcase(r.key, g) for g in globs)]
+    for row in rows:
+        row.old_range, row.new_range = old_ranges.get(row.key), new_ranges.get(row.key)
+        row.direction = direction(row)
+    return Comparison(a, b, rows, params)
 
 
 # -- output ------------------------------------------------------------------------------------------
@@ -153,9 +215,9 @@ def to_markdown(cmp: Comparison, labels: tuple[str, str], show_all: bool) -> str
     rows = [r for r in cmp.metrics if show_all or r.changed]
     lines += ["", "### Metrics" + ("" if show_all else " (changed)"), ""]
     if rows:
-        lines += ["| key | old | new | Δ | Δ% |", "|---|---:|---:|---:|---:|"]
-        lines += [f"| {r.key} | {_md_cell(fmt(r.old))} | {_md_cell(fmt(r.new))} | {' | '.join(fmt_delta(r))} |"
-                  for r in rows]
+        lines += ["| key | old | new | Δ | Δ% | direction |", "|---|---:|---:|---:|---:|---|"]
+        lines += [f"| {r.key} | {_md_cell(fmt(r.old))} | {_md_cell(fmt(r.new))} | {' | '.join(fmt_delta(r))} "
+                  f"| {r.direction} |" for r in rows]
     else:
         lines.append("no metric differs" if cmp.ok else "nothing to compare")
     lines += ["", "### Changed parameters", ""]
@@ -167,6 +229,9 @@ def to_markdown(cmp: Comparison, labels: tuple[str, str], show_all: bool) -> str
     return "\n".join(lines) + "\n"
 
 
+DIRECTION_STYLE = {"better": "green", "worse": "red", "within noise": "dim"}
+
+
 def print_rich(cmp: Comparison, labels: tuple[str, str], show_all: bool) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -176,10 +241,13 @@ def print_rich(cmp: Comparison, labels: tuple[str, str], show_all: bool) -> None
         state = f"[red]error: {run.error}[/]" if run.error else (run.summary or {}).get("status", "")
         console.print(f"{name}  {label}  →  {run.where}  {state}")
     table = Table(title="metrics" + ("" if show_all else " (changed)"), show_lines=False)
-    for column, justify in (("key", "left"), ("old", "right"), ("new", "right"), ("Δ", "right"), ("Δ%", "right")):
+    for column, justify in (("key", "left"), ("old", "right"), ("new", "right"), ("Δ", "right"), ("Δ%", "right"),
+                            ("direction", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for row in (r for r in cmp.metrics if show_all or r.changed):
-        table.add_row(row.key, fmt(row.old), fmt(row.new), *fmt_delta(row))  # no colour: up is not always good
+        style = DIRECTION_STYLE.get(row.direction)
+        shown = f"[{style}]{row.direction}[/]" if style else row.direction
+        table.add_row(row.key, fmt(row.old), fmt(row.new), *fmt_delta(row), shown)
     console.print(table)
     if cmp.params:
         params = Table(title="changed parameters")

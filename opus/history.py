@@ -18,7 +18,7 @@ import git
 import yaml
 
 from opus.console import headline
-from opus.errors import OpusError
+from opus.errors import EXIT_INVALID, OpusError
 from opus.publish import ratio_line, tracked_files
 
 SUMMARY_FILE = "summary.json"
@@ -29,6 +29,12 @@ FALLBACK_IDENTITY = {"GIT_AUTHOR_NAME": "Opus", "GIT_AUTHOR_EMAIL": "opus@localh
 
 class HistoryError(OpusError):
     """A git operation Opus refuses or cannot do; the message is one line."""
+
+
+class RevisionError(HistoryError):
+    """The user named a revision git does not know: invalid input, not a failed operation."""
+
+    exit_code = EXIT_INVALID
 
 
 def open_repo(path: Path) -> git.Repo:
@@ -213,13 +219,15 @@ def read_run_dir(path: Path) -> RunAt:
 
 def runs_in_history(repo: git.Repo, rev: str = "HEAD", max_count: int | None = None) -> list[RunAt]:
     """Runs whose summary.json a commit in ``rev``'s history added or changed, newest first."""
+    if rev.startswith("-"):  # git would read it as an option
+        raise RevisionError(f"'{rev}' is not a revision")
     args = [rev, "--format=%x00%H", "--name-only", "--diff-filter=AM", "--no-renames"]
     if max_count:
         args.append(f"--max-count={max_count}")
     try:
         out = repo.git.log(*args, "--", f":(top,glob)**/{SUMMARY_FILE}")
-    except git.GitCommandError as exc:
-        raise HistoryError(f"cannot read the history of '{rev}': {_git_reason(exc)}") from None
+    except git.GitCommandError as exc:  # in a readable repository, that is a revision git does not know
+        raise RevisionError(f"cannot read the history of '{rev}': {_git_reason(exc)}") from None
     runs = []
     for block in out.split("\x00")[1:]:
         sha, *names = [line for line in block.splitlines() if line.strip()]
@@ -232,8 +240,13 @@ def runs_in_history(repo: git.Repo, rev: str = "HEAD", max_count: int | None = N
 
 
 def _git_reason(exc: git.GitCommandError) -> str:
-    text = (exc.stderr or str(exc)).strip().splitlines()
-    return (text[-1] if text else str(exc)).removeprefix("stderr: ").strip(" '")
+    """git's last line of complaint. GitPython wraps stderr as ``stderr: '...'``: unwrap that one pair
+    of quotes only, so the quotes git puts around a name (``bad revision 'x'``) stay."""
+    text = (exc.stderr or str(exc)).strip()
+    if text.startswith("stderr: '") and text.endswith("'"):
+        text = text[len("stderr: '"):-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else str(exc)
 
 
 def resolve_run(spec: str, cwd: Path | None = None) -> RunAt:

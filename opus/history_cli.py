@@ -22,6 +22,8 @@ def add_parsers(sub: Any) -> None:
     compare.add_argument("--format", choices=("table", "md", "json"), default=None,
                          help="output format (default: a table on a terminal, else markdown)")
     compare.add_argument("--all", action="store_true", help="show unchanged metrics too")
+    compare.add_argument("--only", action="append", default=[], metavar="GLOB",
+                         help="only metric keys matching this glob, e.g. 'final.*' or '*ttft_ms' (repeatable)")
     log = sub.add_parser("log", help="the runs committed in the history of the current branch")
     log.add_argument("rev", nargs="?", default="HEAD")
     log.add_argument("-n", "--max-count", type=int, default=None, help="look at this many run commits at most")
@@ -34,9 +36,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from opus.compare import compare_runs, print_rich, to_json, to_markdown
     from opus.history import resolve_run
 
-    b = args.b or "HEAD"
-    labels = (args.a, b)
-    cmp = compare_runs(resolve_run(args.a), resolve_run(b))
+    labels = (args.a, args.b or "HEAD")
+    a, b = resolve_run(labels[0]), resolve_run(labels[1])
+    errors = [f"{label}: {run.error}" for label, run in zip(labels, (a, b), strict=True) if run.error]
+    if errors:  # nothing on stdout: a script piping the table or JSON must not mistake half of it for a result
+        print("error: " + "; ".join(errors).replace("\n", " "), file=sys.stderr)
+        return EXIT_INVALID
+    cmp = compare_runs(a, b, args.only)
     fmt = args.format or ("table" if sys.stdout.isatty() else "md")
     if fmt == "json":
         print(to_json(cmp, labels, args.all))
@@ -44,10 +50,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print(to_markdown(cmp, labels, args.all), end="")
     else:
         print_rich(cmp, labels, args.all)
-    for label, run in zip(labels, (cmp.a, cmp.b), strict=True):
-        if run.error:
-            print(f"error: {label}: {run.error}", file=sys.stderr)
-    return EXIT_OK if cmp.ok else EXIT_INVALID
+    return EXIT_OK
 
 
 def log_lines(runs: list[Any]) -> list[str]:
@@ -68,6 +71,8 @@ def cmd_log(args: argparse.Namespace) -> int:
 
     repo = open_repo(Path.cwd())
     if not repo.head.is_valid():
+        if args.rev != "HEAD":  # nothing to resolve it against
+            raise InputError(f"unknown revision '{args.rev}': the repository has no commits yet")
         print("no commits yet")
         return EXIT_OK
     runs = runs_in_history(repo, args.rev, args.max_count)

@@ -36,8 +36,11 @@ def make_repo(path: Path) -> Path:
 
 def fake_run(run_dir: Path, *, name: str = "demo", throughput: float = 150.0, ttft: float = 80.0,
              perplexity: float = 10.2, factor: float = 2.0, rollback: bool = False,
-             artifacts: dict[str, Any] | None = None) -> Path:
-    """A finished run directory as the runner leaves it: baseline + a quantize stage + an eval stage."""
+             artifacts: dict[str, Any] | None = None, spread: float | None = None) -> Path:
+    """A finished run directory as the runner leaves it: baseline + a quantize stage + an eval stage.
+
+    ``spread``: the timed metrics (P, D) record repeats from ``value - spread`` to ``value + spread``.
+    """
     stages_dir = run_dir / "stages"
     records = []
     specs = [("base", "baseline", {"throughput_tok_s": 100.0, "ttft_ms": 100.0, "perplexity": 10.0,
@@ -45,6 +48,12 @@ def fake_run(run_dir: Path, *, name: str = "demo", throughput: float = 150.0, tt
              ("quant", "quantize", {"quantized_layers": 4}, False),
              ("eval", "eval", {"throughput_tok_s": throughput, "ttft_ms": ttft, "perplexity": perplexity,
                                "peak_mem_mb": 300.0, "agreement": 0.97}, False)]
+    if spread is not None:
+        for _, _, metrics, _ in specs:
+            for key in ("throughput_tok_s", "ttft_ms"):
+                if key in metrics:
+                    value = metrics[key]
+                    metrics[f"{key}_spread"] = {"min": value - spread, "median": value, "max": value + spread, "n": 3}
     t0 = time.time() - 100
     events = [{"time": t0, "event": "run_started"}]
     for index, (stage_id, uses, metrics, baseline) in enumerate(specs):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from opus.cli import main
-from opus.compare import compare_runs, diff_metrics, flatten, pipeline_params, summary_metrics
+from opus.compare import compare_runs, diff_metrics, flatten, pipeline_params, sense, summary_metrics
 from opus.history import commit_run, resolve_run
 from tests.fabricate import fake_run, git, make_repo
 
@@ -57,7 +57,8 @@ def test_compare_two_commits(history: Path) -> None:
 def test_compare_cli_markdown_and_json(history: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["compare", "HEAD~1", "HEAD", "--format", "md"]) == 0
     out = capsys.readouterr().out
-    assert "| final.throughput_tok_s | 150 | 210 | +60 | +40.00% |" in out
+    assert "| final.throughput_tok_s | 150 | 210 | +60 | +40.00% | better |" in out
+    assert "| final.ttft_ms | 80 | 60 | -20 | -25.00% | better |" in out  # lower is better
     assert "| stages.quant.with.factor | 1 | 2 |" in out
     assert "baseline.throughput_tok_s" not in out  # unchanged keys only with --all
     assert main(["compare", "HEAD~1", "HEAD:runs/r2", "--format", "json", "--all"]) == 0
@@ -83,15 +84,26 @@ def test_a_committed_run_path_no_longer_on_disk(history: Path) -> None:
     assert run.summary["final"]["throughput_tok_s"] == 150.0
 
 
-def test_a_bad_side_is_shown_not_fatal(history: Path, capsys: pytest.CaptureFixture) -> None:
-    assert main(["compare", "no-such-rev", "HEAD", "--format", "md"]) == 2
+@pytest.mark.parametrize("argv", [["no-such-rev", "HEAD"], ["HEAD", "no-such-rev"],
+                                  ["HEAD:runs/missing", "HEAD"], ["no-such-rev", "other-bad"]])
+@pytest.mark.parametrize("form", ["md", "json", "table"])
+def test_a_bad_side_is_one_line_on_stderr_and_nothing_on_stdout(history: Path, capsys: pytest.CaptureFixture,
+                                                                   argv: list[str], form: str) -> None:
+    assert main(["compare", *argv, "--format", form]) == 2
     captured = capsys.readouterr()
-    assert "'no-such-rev' is neither a run directory nor a known git revision" in captured.out
-    assert "| final.throughput_tok_s | — | 210 |" in captured.out  # the good side is still shown
-    assert "error: no-such-rev" in captured.err
-    assert main(["compare", "HEAD:runs/missing", "HEAD", "--format", "json"]) == 2
-    data = json.loads(capsys.readouterr().out)
-    assert "no runs/missing/summary.json" in data["a"]["error"] and data["b"]["error"] is None
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and captured.err.startswith("error: ")
+    bad = [label for label in argv if label != "HEAD"]
+    assert all(label in captured.err for label in bad)
+
+
+def test_a_bad_revision_is_named_and_the_api_still_shows_the_good_side(history: Path,
+                                                                      capsys: pytest.CaptureFixture) -> None:
+    assert main(["compare", "no-such-rev"]) == 2
+    assert "'no-such-rev' is neither a run directory nor a known git revision" in capsys.readouterr().err
+    cmp = compare_runs(resolve_run("HEAD:runs/missing"), resolve_run("HEAD"))
+    assert not cmp.ok and "no runs/missing/summary.json" in cmp.a.error
+    assert {r.key: r.new for r in cmp.metrics}["final.throughput_tok_s"] == 210.0
 
 
 def test_compare_outside_a_repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -99,10 +111,62 @@ def test_compare_outside_a_repository(tmp_path: Path, monkeypatch: pytest.Monkey
     fake_run(tmp_path / "r1")
     monkeypatch.chdir(tmp_path)
     assert main(["compare", "r1", "HEAD", "--format", "md"]) == 2
-    assert "not inside a git repository" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert captured.out == "" and "not inside a git repository" in captured.err
+
+
+def test_which_way_is_better() -> None:
+    higher = ("final.throughput_tok_s", "stages.eval.metrics.decode_tok_s", "stages.x.metrics.decode_tok_s_batch",
+              "final.agreement", "final.logits_cosine", "final.top5_overlap", "final.top1_accuracy",
+              "ratios.throughput_tok_s", "stages.kv.metrics.kv_speedup_vs_growing")
+    lower = ("final.ttft_ms", "stages.eval.metrics.prefill_ms_batch", "final.perplexity", "ratios.perplexity",
+             "final.peak_mem_mb", "stages.eval.metrics.model_mb", "stages.fuse.metrics.decode_ms_after")
+    assert all(sense(k) == 1 for k in higher) and all(sense(k) == -1 for k in lower)
+    assert sense("rollbacks") == sense("stages.quant.metrics.quantized_layers") == sense("status") == 0
+
+
+def test_direction_per_metric(history: Path) -> None:
+    fake_run(history / "runs" / "r3", throughput=120.0, ttft=60.0, perplexity=10.5)  # r2: P 210, D 60, ppl 10.2
+    fake_run(history / "runs" / "r4", throughput=120.0, ttft=60.0, perplexity=10.5, name="other")
+    rows = {r.key: r.direction for r in compare_runs(resolve_run("HEAD"), resolve_run("runs/r3")).metrics}
+    assert rows["final.throughput_tok_s"] == "worse" and rows["final.perplexity"] == "worse"
+    assert rows["final.ttft_ms"] == rows["baseline.throughput_tok_s"] == "unchanged"
+    assert rows["rollbacks"] == "changed"  # a count with no good direction
+    assert rows["ratios.perplexity"] == "worse" and rows["ratios.throughput_tok_s"] == "worse"
+    rows = {r.key: r.direction for r in compare_runs(resolve_run("runs/r3"), resolve_run("HEAD")).metrics}
+    assert rows["final.throughput_tok_s"] == "better" and rows["final.perplexity"] == "better"
+
+
+def test_overlapping_ranges_are_within_noise(tmp_path: Path) -> None:
+    old = resolve_run(str(fake_run(tmp_path / "old", throughput=150.0, ttft=80.0, spread=10.0)))
+    close = resolve_run(str(fake_run(tmp_path / "close", throughput=158.0, ttft=55.0, spread=10.0)))
+    cmp = compare_runs(old, close)
+    rows = {r.key: r for r in cmp.metrics}
+    p = rows["final.throughput_tok_s"]  # 140..160 and 148..168 overlap
+    assert p.direction == "within noise" and p.old_range == (140.0, 160.0) and p.new_range == (148.0, 168.0)
+    assert rows["stages.eval.metrics.throughput_tok_s"].direction == "within noise"
+    assert rows["final.ttft_ms"].direction == "better"  # 45..65 ms all below 70..90 ms
+    assert not any("_spread" in key for key in rows)  # the spreads are ranges of their rows, not rows
+    far = resolve_run(str(fake_run(tmp_path / "far", throughput=175.0, ttft=80.0, spread=10.0)))
+    rows = {r.key: r for r in compare_runs(old, far).metrics}
+    assert rows["final.throughput_tok_s"].direction == "better"  # 140..160 below 165..185
+    plain = resolve_run(str(fake_run(tmp_path / "plain", throughput=158.0)))  # a run from before spreads
+    rows = {r.key: r for r in compare_runs(old, plain).metrics}
+    assert rows["final.throughput_tok_s"].direction == "better" and rows["final.throughput_tok_s"].new_range is None
+
+
+def test_only_globs_pick_keys(history: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["compare", "HEAD~1", "HEAD", "--format", "json", "--all", "--only", "final.*",
+                 "--only", "*.ttft_ms"]) == 0
+    keys = {m["key"] for m in json.loads(capsys.readouterr().out)["metrics"]}
+    assert "final.throughput_tok_s" in keys and "ratios.ttft_ms" in keys and "baseline.ttft_ms" in keys
+    assert all(k.startswith("final.") or k.endswith(".ttft_ms") for k in keys)
+    assert main(["compare", "HEAD~1", "HEAD", "--format", "md", "--only", "nothing.*"]) == 0
+    assert "no metric differs" in capsys.readouterr().out
 
 
 def test_rich_table_output(history: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["compare", "HEAD~1", "HEAD", "--format", "table"]) == 0
     out = capsys.readouterr().out
     assert "final.throughput_tok_s" in out and "+40.00%" in out and "stages.quant.with.factor" in out
+    assert "better" in out

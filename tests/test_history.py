@@ -155,3 +155,28 @@ def test_log_outside_a_repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.chdir(tmp_path)
     assert main(["log"]) == 3
     assert "not inside a git repository" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rev", ["no-such-rev", "--all"])  # git would take --all as an option
+def test_log_with_a_bad_revision_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture, rev: str) -> None:
+    repo = make_repo(tmp_path / "repo")
+    _two_committed_runs(repo)
+    monkeypatch.chdir(repo)
+    assert main(["log", "--", rev]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.splitlines()) == 1
+    assert captured.err.startswith("error: ") and rev in captured.err
+    assert main(["log", "HEAD~1"]) == 0 and "runs/r1" in capsys.readouterr().out  # a good one still works
+
+
+def test_log_with_a_revision_in_a_repository_without_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture) -> None:
+    repo = tmp_path / "empty"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    monkeypatch.chdir(repo)
+    assert main(["log"]) == 0 and capsys.readouterr().out == "no commits yet\n"
+    assert main(["log", "main~3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "main~3" in captured.err
