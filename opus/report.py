@@ -20,6 +20,7 @@ from opus import plots
 from opus.atomic import read_json, write_bytes, write_text
 from opus.errors import InputError
 from opus.events import EventLog
+from opus.noise import as_range, overlap, part_spreads, spread_key
 from opus.publish import REPORT_ASSETS, find_artifact, ratio_line
 
 Block = tuple  # ("h", text) | ("p", text) | ("table", headers, rows) | ("img", name, alt) | ("note", text)
@@ -54,16 +55,41 @@ def _overview(run_dir: Path, summary: dict[str, Any], info: dict[str, Any]) -> l
     blocks: list[Block] = [("h", f"Opus run {summary.get('run_id', run_dir.name)}"), ("table", ["", ""], rows)]
     if summary.get("error"):
         blocks.append(("note", f"error: {summary['error']}"))
-    base, final, ratios = summary.get("baseline") or {}, summary.get("final") or {}, summary.get("ratios") or {}
-    headline = [[label, _f(base.get(k)), _f(final.get(k)), f"×{ratios[k]:.3f}" if k in ratios else "—"]
-                for k, label in HEADLINE if base.get(k) is not None or final.get(k) is not None]
+    headline = _headline(summary)
     blocks.append(("h", "Result"))
     if headline:
-        blocks += [("p", ratio_line(ratios) or "no ratio to a baseline"),
+        blocks += [("p", ratio_line(summary.get("ratios") or {}) or "no ratio to a baseline"),
                    ("table", ["measure", "baseline", "final", "ratio"], headline)]
+        if any(NOISE_MARK in row[-1] for row in headline):
+            blocks.append(("note", f"{NOISE_MARK}: the baseline's and the final's [min, max] over their repeats "
+                                   "overlap, so the ratio may be noise (more workload.repeats narrow it down)"))
     else:
         blocks.append(("note", "no stage measured P, D, memory or perplexity"))
     return blocks
+
+
+NOISE_MARK = "within noise"
+
+
+def _headline(summary: dict[str, Any]) -> list[list[str]]:
+    """measure, baseline, final, ratio rows; a timed measure shows its [min, max] over the repeats, and
+    its ratio is marked within noise when the baseline's and the final's ranges overlap (opus.noise)."""
+    base, final, ratios = summary.get("baseline") or {}, summary.get("final") or {}, summary.get("ratios") or {}
+    spreads = {part: part_spreads(summary, part) for part in ("baseline", "final")}
+    rows = []
+    for key, label in HEADLINE:
+        if base.get(key) is None and final.get(key) is None:
+            continue
+        ranges = [as_range(spreads[part].get(spread_key(key))) for part in ("baseline", "final")]
+        ratio = f"×{ratios[key]:.3f}" if key in ratios else "—"
+        if key in ratios and overlap(*ranges):
+            ratio += f" ({NOISE_MARK})"
+        rows.append([label, _with_range(base.get(key), ranges[0]), _with_range(final.get(key), ranges[1]), ratio])
+    return rows
+
+
+def _with_range(value: Any, found: tuple[float, float] | None) -> str:
+    return _f(value) if found is None or value is None else f"{_f(value)} [{_f(found[0])}–{_f(found[1])}]"
 
 
 def _stages(summary: dict[str, Any], images: dict[str, bytes]) -> list[Block]:

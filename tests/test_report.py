@@ -110,3 +110,19 @@ def test_a_failing_report_only_warns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert run_cli("run", path, "--run-dir", run_dir) == 0
     assert "warning: report not written: RuntimeError: plotting exploded" in capsys.readouterr().err
     assert summary(run_dir)["status"] == "finished"
+
+
+def test_ratios_whose_ranges_overlap_are_marked_within_noise(tmp_path: Path) -> None:
+    from opus.report import write_report
+
+    # Baseline P 100 and D 100 (each ±10 over the repeats); final P 105 (±10: overlaps), D 60 (±10: does not).
+    run_dir = fake_run(tmp_path / "r1", throughput=105.0, ttft=60.0, spread=10.0)
+    write_report(run_dir)
+    md = (run_dir / "report.md").read_text()
+    assert "| P, tokens/s | 100 [90–110] | 105 [95–115] | ×1.050 (within noise) |" in md
+    assert "| D, ms to first token | 100 [90–110] | 60 [50–70] | ×0.600 |" in md
+    assert "> within noise: the baseline's and the final's [min, max]" in md
+    assert "within noise" in (run_dir / "report.html").read_text()
+    plain = fake_run(tmp_path / "r2", throughput=105.0)  # no spreads recorded: no judgement
+    write_report(plain)
+    assert "| P, tokens/s | 100 | 105 | ×1.050 |" in (plain / "report.md").read_text()
