@@ -21,7 +21,7 @@ class InputError(OpusError):
 
     def __init__(self, message: str, file: str | None = None, line: int | None = None,
                  key: str | None = None) -> None:
-        self.file, self.line, self.key = file, line, key
+        self.message, self.file, self.line, self.key = message, file, line, key
         where = file or ""
         if file and line:
             where = f"{file}:{line}"

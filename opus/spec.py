@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from opus.errors import InputError
-from opus.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines
+from opus.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines, parse_yaml
 
 
 class Strict(BaseModel):
@@ -163,6 +162,14 @@ def _override_loc(data: dict[str, Any], dotted_key: str) -> Loc:
     return tuple(parts)
 
 
+def _override_value(text: str, key: str) -> Any:
+    """A value on the command line is YAML too, with the same limits as a pipeline file."""
+    try:
+        return parse_yaml(text, "--set")[0]
+    except InputError as exc:
+        raise InputError(exc.message, file="--set", key=key) from None
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> set[Loc]:
     """Apply ``dotted.key=value`` strings in place (values parsed as YAML scalars)."""
     touched: set[Loc] = set()
@@ -179,7 +186,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> set[Loc]:
                 node = node.setdefault(part, {})
             if not isinstance(node, (dict, list)):
                 raise InputError("cannot set a key inside a scalar", file="--set", key=key)
-        node[loc[-1]] = yaml.safe_load(text) if text.strip() else None
+        node[loc[-1]] = _override_value(text, key) if text.strip() else None
         touched.add(loc)
     return touched
 

@@ -131,3 +131,59 @@ def test_cli_exit_code_2_without_traceback(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err and "facter" in err
     assert not (tmp_path / "runs").exists()
+
+
+# -- the pipeline file itself: limits that keep a hostile or broken file to one line ---------------
+def _check_error(capsys: pytest.CaptureFixture, *args: object) -> str:
+    assert run_cli("check", *args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    return err.strip()
+
+
+def test_non_utf8_pipeline_names_line_and_offset(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(GOOD.replace("name: t", "name: t\ndescription: caf\xe9").encode("latin-1"))
+    err = _check_error(capsys, path)
+    assert err.endswith(f"p.yaml:2: not UTF-8 text: byte 0xe9 at offset {len('name: t') + 17} (save the file as UTF-8)")
+
+
+def test_pipeline_larger_than_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from opus.yaml_lines import MAX_BYTES
+
+    path = write_pipeline(tmp_path / "p.yaml", GOOD + "#" * MAX_BYTES + "\n")
+    err = _check_error(capsys, path)
+    assert err.endswith(f"p.yaml: {path.stat().st_size} bytes is too large for a pipeline file (at most {MAX_BYTES})")
+
+
+def test_deep_nesting_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = write_pipeline(tmp_path / "p.yaml", GOOD.replace("factor: 2.0", "factor: " + "[" * 3000 + "]" * 3000))
+    assert _check_error(capsys, path).endswith("p.yaml:12: nested more than 64 levels deep")
+    path = write_pipeline(tmp_path / "p.yaml", GOOD)
+    err = _check_error(capsys, path, "--set", "stages.scale.with.factor=" + "{a: " * 3000)
+    assert err.endswith("--set: stages.scale.with.factor: nested more than 64 levels deep")
+
+
+def test_alias_expansion_is_limited(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A 'billion laughs' document: 9 levels of 9 aliases would expand to 9**9 nodes."""
+    laughs = "l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+        f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" for i in range(1, 10))
+    path = write_pipeline(tmp_path / "p.yaml", laughs + GOOD)
+    assert "p.yaml:1: the document expands to" in _check_error(capsys, path)
+    path = write_pipeline(tmp_path / "p.yaml", "a: &a [*a]\n" + GOOD)
+    assert "an alias refers to a node that contains it" in _check_error(capsys, path)
+
+
+def test_a_list_as_a_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = write_pipeline(tmp_path / "p.yaml", GOOD.replace("factor: 2.0", "? [factor]\n      : 2.0"))
+    assert "p.yaml:12: YAML syntax error: a key must be a plain value, not a sequence" in _check_error(capsys, path)
+
+
+def test_ordinary_aliases_still_work_and_name_lines(tmp_path: Path) -> None:
+    text = GOOD.replace("    with: {baseline: true}", "    with: {baseline: true}\n    gate: &g {quality: {min: 0.5}}")
+    text = text.replace("    gate:\n      quality: {min: 0.5}", "    gate: *g")
+    loaded = load_pipeline(write_pipeline(tmp_path / "p.yaml", text))
+    assert loaded.spec.stages[0].gate == loaded.spec.stages[1].gate
+    # A key under an alias has no line of its own: the error points at the key holding the alias.
+    message = _error(tmp_path, text.replace("    with:\n      factor: 2.0", "    with: *g"))
+    assert "p.yaml:12: stages[1].with.quality: " in message
