@@ -45,6 +45,7 @@ class TextSetSpec(Strict):
 
     files: list[str] | None = None
     dataset: str | None = None
+    split: str | None = None  # the split of a DatasetDict (needed when it holds more than one)
     text_column: str = "text"
     samples: int = Field(32, gt=0)
     seq_len: int = Field(256, gt=1)
@@ -54,6 +55,8 @@ class TextSetSpec(Strict):
     def _one_kind(self) -> TextSetSpec:
         if (self.files is None) == (self.dataset is None):
             raise ValueError("give exactly one of files or dataset")
+        if self.split is not None and self.dataset is None:
+            raise ValueError("split names a split of a dataset; it needs dataset, not files")
         return self
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from opus.data import DataError, eos_id, load_blocks, random_blocks, token_stream
+from opus.data import DataError, check_enough_text, eos_id, load_blocks, random_blocks, token_stream
 from opus.fingerprint import fingerprint_text_set
 from opus.spec import TextSetSpec
 
@@ -85,6 +85,43 @@ def test_dataset_errors_name_the_problem(corpus) -> None:
     assert load_blocks(TextSetSpec(dataset="dd/train", samples=2, seq_len=16), tok, corpus).shape == (2, 16)
     with pytest.raises(DataError, match="no column 'body'.*columns: text"):
         load_blocks(TextSetSpec(dataset="dd/train", text_column="body"), tok, corpus)
+
+
+def test_split_names_one_split_of_a_dataset_dict(corpus) -> None:
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": [doc(0)]})
+    datasets.DatasetDict({"train": ds, "test": datasets.Dataset.from_dict({"text": [doc(1)]})}).save_to_disk(
+        str(corpus / "dd"))
+    ds.save_to_disk(str(corpus / "single"))
+    tok = word_tokenizer()
+    blocks = load_blocks(TextSetSpec(dataset="dd", split="train", samples=2, seq_len=16), tok, corpus)
+    assert torch.equal(blocks, load_blocks(TextSetSpec(dataset="dd/train", samples=2, seq_len=16), tok, corpus))
+    with pytest.raises(DataError, match="no split 'validation' \\(splits: train, test\\)") as info:
+        load_blocks(TextSetSpec(dataset="dd", split="validation"), tok, corpus)
+    assert info.value.key == "split"
+    with pytest.raises(DataError, match="a single Dataset, not splits; remove split"):
+        load_blocks(TextSetSpec(dataset="single", split="train"), tok, corpus)
+    with pytest.raises(ValueError, match="split names a split of a dataset"):
+        TextSetSpec(files=["data/*.txt"], split="train")
+
+
+def test_binary_and_empty_text_are_refused(corpus) -> None:
+    (corpus / "blob.bin").write_bytes(b"w1 w2\x00\x01")
+    with pytest.raises(DataError, match=r"blob\.bin: a binary file, not text \(NUL byte at offset 5\)"):
+        load_blocks(spec(files=["blob.bin"]), word_tokenizer(), corpus)
+    (corpus / "empty.txt").write_text("")
+    with pytest.raises(DataError, match=r"empty\.txt: no text") as info:
+        load_blocks(spec(files=["empty.txt"]), word_tokenizer(), corpus)
+    assert info.value.key == "files"
+
+
+def test_check_enough_text_agrees_with_load_blocks(corpus) -> None:
+    tok = word_tokenizer()
+    assert check_enough_text(spec(samples=11), tok, corpus, chunk=1) >= 11 * 16
+    with pytest.raises(DataError, match="182 tokens make 11 blocks of 16, but 12 samples") as info:
+        check_enough_text(spec(samples=12), tok, corpus, chunk=1)
+    assert info.value.key == "samples"
 
 
 def test_too_few_tokens_names_the_file(corpus) -> None:
