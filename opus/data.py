@@ -3,10 +3,11 @@
 A text set (``opus.spec.TextSetSpec``) is either files/globs relative to the pipeline's directory
 (each file one document; ``.jsonl`` files one JSON object per line, text in ``text_column``) or a
 ``datasets`` dataset saved with ``save_to_disk`` (of a DatasetDict, the one named by ``split``).
-Files must be UTF-8 text: a NUL byte marks a binary file, and a set without any text is refused. Documents are tokenized with the model's own
-tokenizer (a ``tokenizers.Tokenizer`` or a transformers tokenizer), joined with the end-of-text
-token when the tokenizer has one, cut into non-overlapping ``seq_len`` blocks, and ``samples`` blocks
-are drawn with a seeded ``random.Random`` (stable across Python and torch versions).
+Files must be UTF-8 text: a NUL byte marks a binary file, and a set without any text is refused.
+Documents are tokenized with the model's own tokenizer (a ``tokenizers.Tokenizer`` or a
+transformers tokenizer), joined with the end-of-text token when the tokenizer has one, cut into
+non-overlapping ``seq_len`` blocks, and ``samples`` blocks are drawn with a seeded
+``random.Random`` (stable across Python and torch versions).
 
 Everything stays in memory: nothing is written to the ``datasets`` cache in the home directory and
 nothing needs the network. Fingerprints for stage keys: ``opus.fingerprint.fingerprint_text_set``.
