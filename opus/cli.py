@@ -52,12 +52,19 @@ def _execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> i
     from opus.runner import Runner
 
     runner = Runner(loaded, run_dir, RunDisplay(quiet=quiet))  # validates before anything runs
+    _preflight(loaded, runner.types)  # nothing is written before this passes
     with runner.display:
         runner.display.line(f"run {run_dir}  ({loaded.spec.name}, {len(loaded.spec.stages)} stages)")
         summary = runner.run()
     _print_outcome(summary, run_dir)
     finish_run(run_dir, summary, commit=commit or loaded.spec.run.track == "git")  # only ever warns
     return STATUS_EXIT.get(summary["status"], EXIT_RUN_FAILED)
+
+
+def _preflight(loaded: Any, types: Any) -> None:
+    from opus.preflight import preflight
+
+    preflight(loaded, types)
 
 
 def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
@@ -91,8 +98,19 @@ def cmd_resume(args: argparse.Namespace) -> int:
     run_file = args.run_dir / RUN_FILE
     if not run_file.is_file():
         raise InputError("not a run directory (no run.json)", file=str(args.run_dir))
-    info = read_json(run_file)
-    loaded = load_pipeline(args.run_dir / PIPELINE_FILE, base_dir=Path(info["base_dir"]))
+    try:
+        info = read_json(run_file)
+    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8 (a torn write)
+        raise InputError(f"damaged run file, cannot resume: {exc}", file=str(run_file)) from None
+    if not isinstance(info, dict):
+        raise InputError(f"damaged run file, cannot resume: a JSON object expected, got {type(info).__name__}",
+                         file=str(run_file))
+    # The runner reads both when it resumes: base_dir (the pipeline's directory) and starts.
+    base_dir = info.get("base_dir")
+    if not isinstance(base_dir, str) or not base_dir or not isinstance(info.get("starts"), list):
+        missing = "base_dir" if not isinstance(base_dir, str) or not base_dir else "starts"
+        raise InputError(f"damaged run file, cannot resume: no valid '{missing}'", file=str(run_file))
+    loaded = load_pipeline(args.run_dir / PIPELINE_FILE, base_dir=Path(base_dir))
     return _execute(loaded, args.run_dir, args.quiet, args.commit)
 
 
@@ -101,7 +119,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from opus.spec import load_pipeline
 
     loaded = load_pipeline(args.pipeline, args.overrides)
-    graph, _ = validate(loaded)
+    graph, types = validate(loaded)
+    _preflight(loaded, types)
     print(f"{args.pipeline}: valid; stages in order: {' → '.join(execution_order(graph))}")
     return EXIT_OK
 

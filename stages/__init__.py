@@ -12,6 +12,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 REFERENCE = "reference.safetensors"  # the baseline's fidelity reference, an artifact of that stage
+# The keys opus.metrics.measure_suite may report (P with the batch's prefill and decode, D with
+# decode at batch 1, memory, quality), and what compare_to_reference adds: the measuring stages'
+# METRICS, against which gates are checked before a run.
+SUITE_METRICS = frozenset({"model_mb", "throughput_tok_s", "peak_mem_mb", "peak_mem_rise_mb", "prefill_ms_batch",
+                           "decode_tok_s_batch", "ttft_ms", "decode_tok_s", "perplexity", "top1_accuracy",
+                           "eval_tokens"})
+FIDELITY_METRICS = frozenset({"agreement", "agreement_free", "logits_cosine", "top5_overlap"})
 
 
 class MeasureConfig(BaseModel):

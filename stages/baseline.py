@@ -10,9 +10,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from opus.stage import StageContext, StageResult
-from stages import REFERENCE, MeasureConfig, measure_incoming
+from stages import REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
 
 VERSION = "1"
+METRICS = SUITE_METRICS  # what a gate on this stage can name (checked before a run)
 
 
 class Config(MeasureConfig):

@@ -9,9 +9,10 @@ same as the baseline's so the ratios compare like with like.
 from __future__ import annotations
 
 from opus.stage import StageContext, StageResult
-from stages import REFERENCE, MeasureConfig, measure_incoming
+from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
 
 VERSION = "1"
+METRICS = SUITE_METRICS | FIDELITY_METRICS  # what a gate on this stage can name
 
 
 class Config(MeasureConfig):

@@ -29,6 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+METRICS = frozenset({f"{count}_{when}" for when in ("before", "after") for count in
+                     ("nodes", "ops", "ops_prefill", "ops_decode", "decode_ms", "dispatch_share")}
+                    | {"fusion_exact_match", "fusion_cosine", "fusion_cosine_min", "fusion_max_abs_diff",
+                       "fusion_check_passed", "sites_fused", "sites_skipped", "regions_ignored",
+                       "compile_kept", "decode_ms_eager", "decode_ms_compiled"})
 ALL_PATTERNS = ["qkv", "gate_up", "linear_group", "silu_mul", "add_rmsnorm", "rmsnorm", "moe_grouped"]
 RISK_ORDER = ["moe_grouped", "add_rmsnorm", "rmsnorm", "silu_mul", "linear_group", "gate_up", "qkv"]
 

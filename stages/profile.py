@@ -13,10 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.engine import supports_cache
 from opus.kvcache import cache_config_from_recipe, cache_factory
 from opus.profile_plot import plot_profile
-from opus.profiling import ProfileWorkload, profile_metrics, profile_model, summary_line
+from opus.profiling import PHASES, ROLES, ProfileWorkload, profile_metrics, profile_model, summary_line
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+METRICS = frozenset({f"profile_{phase}_ms" for phase in PHASES} | {f"profile_ops_{phase}" for phase in PHASES}
+                    | {f"share_{role}" for role in ROLES})
 
 
 class Config(BaseModel):

@@ -41,7 +41,10 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from the shard index when there is one."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted({str(n) for n in json.loads(index.read_bytes())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # torn JSON, no weight_map
+            raise ModelLoadError(f"{index}: not a shard index (a JSON object with a weight_map): {e}") from None
         files = [model_dir / n for n in names]
         for f in files:
             if not f.is_file():

@@ -11,6 +11,7 @@ import torch
 
 from opus.atomic import write_json
 from opus.kvcache import kv_cache_step
+from opus.preflight import undeclared_metrics
 from opus.spec import load_pipeline
 from opus.stage import StageContext, UpstreamStage
 from opus.state import STATE_FILE, base_state
@@ -84,6 +85,7 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     ctx, _ = context(project, tmp_path / "baseline", "baseline")
     result = baseline.run(ctx, baseline.Config(fidelity_prompts=2, fidelity_prompt_len=8, fidelity_tokens=4))
     assert result.baseline and result.model is None
+    assert not undeclared_metrics(baseline, result.metrics)  # what gates are checked against before a run
     for key in ("throughput_tok_s", "ttft_ms", "peak_mem_mb", "perplexity", "top1_accuracy", "decode_tok_s"):
         assert result.metrics[key] > 0, key
     assert result.info["prompt_source"] == "text" and result.info["kv_cache"] == {"kind": "growing"}
@@ -95,6 +97,7 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     ctx, _ = context(project, tmp_path / "check", "check", upstream={"baseline": up})
     got = eval_stage.run(ctx, eval_stage.Config()).metrics
     assert got["agreement"] == got["agreement_free"] == got["top5_overlap"] == 1.0
+    assert not undeclared_metrics(eval_stage, got)
     assert got["logits_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert got["perplexity"] == pytest.approx(result.metrics["perplexity"], rel=1e-6)
 

@@ -8,6 +8,7 @@ import pytest
 from fusion_project import context, make_project
 
 from opus.fusion import PATTERNS, GroupedMoE
+from opus.preflight import undeclared_metrics
 from stages import fuse
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -25,6 +26,7 @@ def test_fuse_stage_reports_and_records(pipeline, tmp_path):
     assert m["ops_after"] < m["ops_before"] and m["nodes_after"] < m["nodes_before"]
     assert m["ops_prefill_after"] + m["ops_decode_after"] == m["ops_after"]
     assert m["sites_fused"] > 0 and m["regions_ignored"] == 0
+    assert not undeclared_metrics(fuse, m)  # what gates are checked against before a run
     assert [s["kind"] for s in result.recipe] == ["fuse"]
     assert isinstance(result.model.model.layers[0].mlp, GroupedMoE)
     report = json.loads((tmp_path / "out" / "artifacts" / "fusion.json").read_text())

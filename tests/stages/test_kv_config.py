@@ -10,6 +10,7 @@ from fusion_project import context, make_project
 from opus.fusion import GroupedMoE
 from opus.kvcache import cache_config_from_recipe, make_cache
 from opus.models import ModelConfig
+from opus.preflight import undeclared_metrics
 from opus.spec import load_pipeline
 from opus.state import materialize
 from stages import kv_config
@@ -40,6 +41,7 @@ def test_measures_candidates_and_records_the_fastest_at_each_batch_size(tmp_path
         assert report["winners"][str(batch)] == fastest
         assert type(make_cache(chosen, SHAPE, batch, 16)) is type(make_cache(fastest, SHAPE, batch, 16))
     assert result.metrics["kv_exact_match"] == 1.0 and result.metrics["kv_max_batch"] >= 2
+    assert not undeclared_metrics(kv_config, result.metrics)  # what gates are checked against before a run
 
 
 def test_budget_limits_the_batch(tmp_path):

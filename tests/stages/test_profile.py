@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 
 from opus.models import DecoderLM, ModelConfig
+from opus.preflight import undeclared_metrics
 from opus.profiling import ROLES
+from stages import profile as profile_stage
 from tests.helpers import pipeline, run_cli, statuses, summary, write_pipeline
 
 
@@ -33,6 +35,7 @@ def test_profile_stage_end_to_end(tmp_path: Path) -> None:
     assert metrics["profile_ops_prefill"] > 0 and metrics["profile_ops_decode"] > 0
     assert abs(sum(metrics[f"share_{r}"] for r in ROLES) - 1.0) < 1e-3
     assert metrics["share_experts"] > 0 and metrics["share_attention"] > 0
+    assert not undeclared_metrics(profile_stage, metrics)  # what gates are checked against before a run
 
     artifacts = run_dir / "stages" / "00-profile" / "artifacts"
     profile = json.loads((artifacts / "profile.json").read_text())
