@@ -5,6 +5,8 @@ A directory without a ``manifest.json`` whose sha256 sums all verify is not a ch
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -17,6 +19,8 @@ from opus.state import STATE_FILE, TENSORS_FILE
 
 MANIFEST = "manifest.json"
 RESULT = "result.json"
+JOB = "job.json"  # the worker's orders, kept as evidence
+BOOKKEEPING = {RESULT, JOB}
 
 
 class DiskSpaceError(OSError):
@@ -101,6 +105,27 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return read_json(path / MANIFEST)
 
 
+def content_digest(path: Path) -> str:
+    """What a descendant stage consumes from this checkpoint, as one sha256.
+
+    The manifest's key (which chains every ancestor's digest), the sha256 of every file but the
+    job and result files, and the metrics in result.json; not the bookkeeping that differs between
+    two otherwise equal builds (temporary paths, creation time, duration, attempt). A checkpoint
+    rebuilt with other content gets another digest, so exactly the stages downstream of a change
+    get new keys.
+    """
+    manifest = read_manifest(path)
+    files = {name: digest for name, digest in manifest.get("files", {}).items() if name not in BOOKKEEPING}
+    payload = {"key": manifest.get("key"), "files": files, "metrics": read_result(path).get("metrics")}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def estimate_checkpoint_bytes(incoming: Path | None) -> int:
+    """A stage that changes the model writes at most about the incoming tensors again."""
+    tensors = incoming / TENSORS_FILE if incoming else None
+    return tensors.stat().st_size if tensors and tensors.is_file() else 0
+
+
 def read_result(path: Path) -> dict[str, Any]:
     return read_json(path / RESULT)
 
@@ -140,3 +165,28 @@ def clean_temporaries(stages_dir: Path) -> list[Path]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
+
+
+def read_manifest_key(path: Path) -> str | None:
+    try:
+        return read_manifest(path).get("key")
+    except (OSError, ValueError):
+        return None
+
+
+def find_checkpoint(stages_dir: Path, stage_id: str, key: str) -> tuple[Path | None, str | None]:
+    """``(path, problem)``: the committed checkpoint of ``stage_id`` under ``key``.
+
+    A directory with another key is stale (a parameter or an input changed) and is replaced when the
+    stage commits; one without a readable manifest, or whose files fail their sha256, is damaged:
+    ``problem`` says why and the caller moves it aside.
+    """
+    for path in sorted(stages_dir.glob(f"[0-9][0-9]-{stage_id}")):
+        found = read_manifest_key(path)
+        if found is None:
+            return path, "no readable manifest.json (never completed, or damaged)"
+        if found != key:
+            continue
+        problem = verify_checkpoint(path)
+        return path, problem
+    return None, None

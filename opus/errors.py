@@ -5,6 +5,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_INVALID = 2
 EXIT_RUN_FAILED = 3
+EXIT_DEGRADED = 4  # finished with stages rolled back or skipped: a model, but not all that was asked
 EXIT_INTERRUPTED = 130
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from opus.spec import Threshold
@@ -17,6 +18,11 @@ ALIASES = {
 }
 
 RELATIVE_BOUNDS = {"min_ratio", "max_ratio", "max_increase", "max_decrease"}
+
+# Checked on every stage, gated or not: a NaN or infinite accuracy figure means a broken model,
+# whatever the stage's own gate says (a gate on speed alone must not pass a model that outputs NaN).
+ACCURACY_METRICS = ("perplexity", "top1_accuracy", "agreement", "agreement_free", "logits_cosine",
+                    "top5_overlap")
 
 
 def metric_key(name: str) -> str:
@@ -54,6 +60,8 @@ def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
                 check["baseline"] = base
             if not isinstance(value, (int, float)):
                 check.update(passed=False, reason=f"the stage did not report '{key}'")
+            elif not math.isfinite(value):
+                check.update(passed=False, reason=f"{key} is {value} (not finite)")
             elif bound in RELATIVE_BOUNDS and not isinstance(base, (int, float)):
                 check.update(passed=False, reason=f"no baseline value of '{key}' in this run")
             else:
@@ -62,7 +70,28 @@ def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
                 if not passed:
                     check["reason"] = f"{key} {bound} {limit}: measured {compared:.4g}"
             checks.append(check)
+    checks += _finite_checks(metrics, {c["metric"] for c in checks})
     return {"passed": all(c["passed"] for c in checks), "checks": checks}
+
+
+def _finite_checks(metrics: dict[str, Any], gated: set[str]) -> list[dict[str, Any]]:
+    """One check per reported accuracy metric not already gated: passed when it is a finite number."""
+    out = []
+    for key in ACCURACY_METRICS:
+        value = metrics.get(key)
+        if key in gated or not isinstance(value, (int, float)):
+            continue
+        check = {"metric": key, "bound": "finite", "threshold": None, "measured": value,
+                 "passed": math.isfinite(value)}
+        if not check["passed"]:
+            check["reason"] = f"{key} is {value} (not finite): the model's output is broken"
+        out.append(check)
+    return out
+
+
+def verified(verdict: dict[str, Any] | None) -> bool:
+    """True when a verdict checked something and everything it checked passed."""
+    return bool(verdict and verdict["checks"] and verdict["passed"])
 
 
 def first_failure(verdict: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,8 +1,8 @@
 """Stage types: found through the entry-point group ``opus.stages`` or given as a dotted module path.
 
 A stage type is a module with a pydantic ``Config``, an entry function ``run(ctx, cfg)``, a
-``VERSION`` string and, optionally, ``remedy(cfg, failure)`` that proposes a new config after a
-failed gate.
+``VERSION`` string, optionally a ``ROLE`` (one of ``ROLES``, or a function of the config returning
+one) and ``remedy(cfg, failure)`` that proposes a new config after a failed gate.
 """
 
 from __future__ import annotations
@@ -19,6 +19,17 @@ from types import ModuleType
 from pydantic import BaseModel
 
 ENTRY_POINT_GROUP = "opus.stages"
+
+# What a stage means to the run's verdict (opus.verdict). A stage type that declares no ROLE is
+# taken as a transform: if it fails, the run cannot claim the optimization it was asked for.
+ROLES = {
+    "baseline": "measures the unmodified model; every ratio depends on it, so it cannot be skipped",
+    "transform": "changes the model (weights, structure or how it runs)",
+    "eval": "measures the optimized model against the baseline; its gates decide the run",
+    "measure": "measures without changing the model (profile)",
+    "analysis": "decides without changing the model (plan)",
+    "export": "writes the model in other formats",
+}
 
 
 class UnknownStageType(LookupError):
@@ -44,6 +55,13 @@ class StageType:
         source = inspect.getsource(self.module)
         digest = hashlib.sha256((source + opus_source_digest()).encode()).hexdigest()[:16]
         return f"{getattr(self.module, 'VERSION', '0')}+{digest}"
+
+    def role(self, cfg: BaseModel) -> str:
+        declared = getattr(self.module, "ROLE", "transform")
+        role = declared(cfg) if callable(declared) else declared
+        if role not in ROLES:
+            raise UnknownStageType(f"stage type '{self.name}' declares ROLE {role!r}; known: {', '.join(ROLES)}")
+        return role
 
     def remedy(self, cfg: BaseModel, failure: dict) -> BaseModel | None:
         fn = getattr(self.module, "remedy", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ POLL_S = 0.1
 
 @dataclass
 class WorkerOutcome:
-    kind: str  # ok | crash | disk | stalled | timeout
+    kind: str  # ok | crash | input | disk | stalled | timeout
     message: str = ""
     returncode: int | None = None
 
@@ -44,13 +45,44 @@ class _Listener(threading.Thread):
                 continue
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
+def _signal_group(pgid: int, sig: int) -> bool:
     try:
-        proc.wait(timeout=5)
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:  # the group is gone
+        return False
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop the worker and everything it started: SIGTERM to its process group, SIGKILL after a grace."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        pass
+    _reap_group(proc)
+
+
+def _reap_group(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of the worker's process group (a child that ignored SIGTERM, or one
+    left running after the worker exited) and wait until the group is empty."""
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a live (not zombie) process is in the group."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 def run_worker(job: dict[str, Any], job_path: Path, log_path: Path, *, stall_timeout_s: float,
@@ -64,7 +96,8 @@ def run_worker(job: dict[str, Any], job_path: Path, log_path: Path, *, stall_tim
         proc = subprocess.Popen(
             [sys.executable, "-m", "opus.worker", str(job_path), str(write_fd)],
             pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})})
+            env={**os.environ, **(env or {})},
+            start_new_session=True)  # its own process group: stopping a stage stops all it started
     os.close(write_fd)
     listener = _Listener(read_fd, on_message)
     listener.start()
@@ -84,19 +117,18 @@ def run_worker(job: dict[str, Any], job_path: Path, log_path: Path, *, stall_tim
         raise
     finally:
         listener.join(timeout=2)
+    _reap_group(proc)  # nothing a stage started outlives it
     if proc.returncode == 0:
         return WorkerOutcome("ok", returncode=0)
     error_file = Path(job["out_dir"]) / ERROR_FILE
     error = read_json(error_file) if error_file.is_file() else {}
-    kind = "disk" if proc.returncode == EXIT_DISK else "crash"
+    kind = "disk" if proc.returncode == EXIT_DISK else error.get("kind", "crash")
     message = error.get("message") or _describe_exit(proc.returncode)
     return WorkerOutcome(kind, f"{message} (log: {log_path})", proc.returncode)
 
 
 def _describe_exit(code: int) -> str:
     if code < 0:
-        import signal
-
         name = signal.Signals(-code).name
         hint = " — killed, often by the kernel's out-of-memory killer" if name == "SIGKILL" else ""
         return f"worker died with {name}{hint}"

@@ -7,6 +7,7 @@ stage that crashes, is killed for memory or hangs cannot take the run down with 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from typing import Any
 
 from opus.atomic import write_json
 from opus.checkpoint import DiskSpaceError, write_checkpoint
+from opus.errors import OpusError
 from opus.registry import load_stage_type
 from opus.spec import load_pipeline
 from opus.stage import StageContext, StageResult, UpstreamStage
@@ -104,14 +106,30 @@ def main(argv: list[str]) -> int:
         report({"t": "progress", "done": 1, "total": 1, "what": "writing checkpoint"})
         _finish(ctx, job, result, started)
         return 0
-    except DiskSpaceError as exc:
-        write_json(out_dir / ERROR_FILE, {"kind": "disk", "message": str(exc)})
-        return EXIT_DISK
     except Exception as exc:  # noqa: BLE001 - any stage failure is recorded, the run decides
+        kind = failure_kind(exc)
+        if kind == "disk":
+            write_json(out_dir / ERROR_FILE, {"kind": "disk", "message": str(exc)})
+            return EXIT_DISK
         traceback.print_exc()
-        message = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-        write_json(out_dir / ERROR_FILE, {"kind": "crash", "message": message})
+        message = str(exc) if isinstance(exc, OpusError) else f"{type(exc).__name__}: {exc}"
+        write_json(out_dir / ERROR_FILE, {"kind": kind, "message": message.splitlines()[0][:500]})
         return EXIT_CRASH
+
+
+# Failures that repeat on every attempt: bad input, a missing or unreadable file, an operation
+# this build cannot do. Retrying them only delays the verdict.
+PERMANENT = (OpusError, FileNotFoundError, IsADirectoryError, NotADirectoryError, UnicodeDecodeError,
+             NotImplementedError, ImportError)
+
+
+def failure_kind(exc: BaseException) -> str:
+    """``disk`` (can pass once space is freed), ``input`` (repeats on retry) or ``crash``."""
+    if isinstance(exc, DiskSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return "disk"
+    if isinstance(exc, PERMANENT) or type(exc).__name__ == "SafetensorError":  # a damaged tensor file
+        return "input"
+    return "crash"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from opus.stage import StageContext, StageResult
 from stages import REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
 
 VERSION = "1"
+ROLE = "baseline"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = SUITE_METRICS  # what a gate on this stage can name (checked before a run)
 
 

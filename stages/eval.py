@@ -12,6 +12,7 @@ from opus.stage import StageContext, StageResult
 from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
 
 VERSION = "1"
+ROLE = "eval"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = SUITE_METRICS | FIDELITY_METRICS  # what a gate on this stage can name
 
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+ROLE = "export"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = frozenset({"export_tensors_mb", "onnx_exported", "onnx_file_mb", "onnx_max_abs_diff",
                      "onnx_next_token_agreement", "onnx_greedy_agreement", "onnx_ttft_ms",
                      "onnx_throughput_tok_s"})

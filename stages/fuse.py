@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+ROLE = "transform"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = frozenset({f"{count}_{when}" for when in ("before", "after") for count in
                      ("nodes", "ops", "ops_prefill", "ops_decode", "decode_ms", "dispatch_share")}
                     | {"fusion_exact_match", "fusion_cosine", "fusion_cosine_min", "fusion_max_abs_diff",

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+ROLE = "transform"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "kv_batch_size",
                      "kv_bytes_per_token", "kv_pooled", "kv_exact_match", "kv_by_batch",
                      "kv_speedup_vs_growing", "kv_speedup_vs_growing_b*"})

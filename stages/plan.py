@@ -15,6 +15,7 @@ from opus.quant.planning import PlanRequest, assignment_from_plan, make_plan
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+ROLE = "analysis"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = frozenset({"planned_groups", "groups_*", "predicted_ppl_increase", "predicted_linear_speedup"})
 
 

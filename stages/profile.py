@@ -17,6 +17,7 @@ from opus.profiling import PHASES, ROLES, ProfileWorkload, profile_metrics, prof
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+ROLE = "measure"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = frozenset({f"profile_{phase}_ms" for phase in PHASES} | {f"profile_ops_{phase}" for phase in PHASES}
                     | {f"share_{role}" for role in ROLES})
 

@@ -16,6 +16,7 @@ from opus.quant.planning import assignment_from_plan
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
+ROLE = "transform"  # how the run's verdict counts this stage (opus.registry.ROLES)
 METRICS = frozenset({"quantized_layers", "model_mb", "perplexity", "top1_accuracy", "eval_tokens"})
 ACCURACY_METRICS = {"perplexity", "top1_accuracy", "agreement", "logits_cosine", "top5_overlap"}
 

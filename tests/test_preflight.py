@@ -250,3 +250,8 @@ def test_resume_with_a_damaged_run_json(project: Path, capsys: pytest.CaptureFix
     run_file.write_bytes(content if isinstance(content, bytes) else content.encode())
     err = check(capsys, run_dir, "--quiet", command="resume")
     assert err.startswith(f"error: {run_file}: {says}")
+
+
+@pytest.mark.parametrize("name", ["k3.yaml", "smoke.yaml"])
+def test_the_shipped_pipelines_pass(repo_root: Path, capsys: pytest.CaptureFixture, name: str) -> None:
+    assert main(["check", str(repo_root / "pipelines" / name)]) == 0, capsys.readouterr().err
