@@ -1,0 +1,165 @@
+"""Where a running pipeline stands: per-stage progress, ETAs, and the run's progress.json.
+
+No rich here: ``opus status`` reads progress.json and formats it with the same helpers, without
+importing the display. ETAs come only from measured rates and measured durations; where nothing
+has been measured yet they are ``None`` (shown as ``?``), never a guess.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opus.atomic import write_json
+
+PROGRESS_FILE = "progress.json"
+# progress.json is rewritten on every stage start/finish and at most this often in between: each
+# write fsyncs, and `opus status` needs seconds of freshness, not milliseconds.
+PROGRESS_FILE_INTERVAL_S = 2.0
+
+
+def format_duration(seconds: float | None) -> str:
+    """``1:05``, ``2:03:04``; ``?`` when unknown."""
+    if seconds is None:
+        return "?"
+    whole = max(0, round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.1f}"
+
+
+def format_count(done: float | None, total: float | None) -> str:
+    """``12/40 30%``; ``12`` when the total is unknown; ``-`` before any progress."""
+    if done is None:
+        return "-"
+    if not total:
+        return _number(done)
+    return f"{_number(done)}/{_number(total)} {min(100.0, 100 * done / total):.0f}%"
+
+
+@dataclass
+class StageProgress:
+    """One running stage attempt, as its worker reported it."""
+
+    stage_id: str
+    uses: str
+    attempt: int
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    done: float | None = None
+    total: float | None = None
+    what: str = "starting"
+    # (time, done) of the first counted message: the rate excludes start-up (loading the model),
+    # which says nothing about how fast the remaining units go.
+    anchor: tuple[float, float] | None = None
+    last_printed: float = field(default_factory=time.monotonic)
+
+    def observe(self, message: dict[str, Any], now: float) -> None:
+        done, total = message.get("done"), message.get("total")
+        self.what = str(message.get("what") or self.what)
+        self.total = float(total) if isinstance(total, (int, float)) and total > 0 else None
+        if not isinstance(done, (int, float)):
+            return
+        if self.anchor is None or done < self.anchor[1]:  # a phase that counts from zero again
+            self.anchor = (now, float(done))
+        self.done = float(done)
+
+    def eta_s(self, now: float) -> float | None:
+        """Remaining seconds at the rate measured since the first counted message."""
+        if self.total is None or self.done is None or self.anchor is None:
+            return None
+        if self.done >= self.total:
+            return 0.0
+        since, first = self.anchor
+        if self.done <= first or now <= since:
+            return None
+        return (now - since) / (self.done - first) * (self.total - self.done)
+
+
+@dataclass
+class RunEta:
+    seconds: float | None
+    estimated: bool  # includes stages not started yet, at the mean duration of the stages that ran
+
+    def text(self) -> str:
+        return ("~" if self.estimated and self.seconds is not None else "") + format_duration(self.seconds)
+
+
+class RunProgress:
+    """The run's stages: which run, which finished (and how long they took), the run's ETA."""
+
+    def __init__(self) -> None:
+        self.order: list[str] | None = None  # unknown until begin(): then the run's ETA stays "?"
+        self.run_dir: Path | None = None
+        self.running: dict[str, StageProgress] = {}
+        self.finished: dict[str, dict[str, Any]] = {}
+        self._written = 0.0
+
+    def begin(self, stage_ids: list[str], run_dir: Path | None) -> None:
+        self.order, self.run_dir = list(stage_ids), run_dir
+
+    def start(self, stage_id: str, uses: str, attempt: int) -> StageProgress:
+        self.finished.pop(stage_id, None)  # a retry runs the stage again
+        stage = StageProgress(stage_id, uses, attempt)
+        self.running[stage_id] = stage
+        return stage
+
+    def finish(self, stage_id: str, status: str, seconds: float | None) -> None:
+        self.running.pop(stage_id, None)
+        self.finished[stage_id] = {"status": status, "seconds": seconds}
+
+    def run_eta(self, now: float) -> RunEta:
+        """The running stages' remaining time plus, for stages not started, the mean duration of the
+        stages that ran in this process (cached ones took no time and say nothing)."""
+        if self.order is None:
+            return RunEta(None, False)
+        # Copies: the live display renders this on its own thread while stages start and finish
+        # (list() of a dict view is one step under the GIL; a lock here could deadlock with rich's).
+        running, finished = list(self.running.values()), list(self.finished.values())
+        current = [s.eta_s(now) for s in running]
+        if any(eta is None for eta in current):
+            return RunEta(None, False)
+        waiting = [s for s in self.order if s not in self.finished and s not in self.running]
+        if not waiting:
+            return RunEta(sum(current), False)  # type: ignore[arg-type]  # None excluded above
+        durations = [f["seconds"] for f in finished if f["seconds"] is not None]
+        if not durations:
+            return RunEta(None, False)
+        mean = sum(durations) / len(durations)
+        return RunEta(sum(current) + mean * len(waiting), True)  # type: ignore[arg-type]
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        run_eta = self.run_eta(now)
+        return {
+            "updated": time.time(), "pid": os.getpid(), "stages": self.order,
+            "running": [{"stage": s.stage_id, "uses": s.uses, "attempt": s.attempt, "started": s.started_wall,
+                         "done": s.done, "total": s.total, "what": s.what, "eta_s": s.eta_s(now)}
+                        for s in self.running.values()],
+            "finished": self.finished, "run_eta_s": run_eta.seconds, "run_eta_estimated": run_eta.estimated,
+        }
+
+    def save(self, now: float, force: bool = False) -> None:
+        """Write progress.json (atomically) when begin() named the run directory."""
+        if self.run_dir is None or (not force and now - self._written < PROGRESS_FILE_INTERVAL_S):
+            return
+        self._written = now
+        try:
+            write_json(self.run_dir / PROGRESS_FILE, self.snapshot(now))
+        except OSError:
+            pass  # progress.json is a convenience for `opus status`; a full disk must not stop the run
+
+
+def describe_running(entry: dict[str, Any], now_wall: float) -> str:
+    """One running stage from progress.json, as ``opus status`` prints it."""
+    label = entry["stage"] + (f" retry {entry['attempt']}" if entry.get("attempt") else "")
+    return (f"{label} ({entry.get('uses', '?')}): {entry.get('what', '')}  "
+            f"{format_count(entry.get('done'), entry.get('total'))}  "
+            f"elapsed {format_duration(now_wall - entry['started'])}  "
+            f"stage ETA {format_duration(entry.get('eta_s'))}")
