@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     for command in (run, resume):
         command.add_argument("--commit", action="store_true",
                              help="commit the run's small files to git when it ends (as run.track: git)")
-    status = sub.add_parser("status", help="where a run stands")
-    status.add_argument("run_dir", type=Path)
+    status = sub.add_parser("status", help="where a run stands, with the running stage's progress")
+    status.add_argument("run_dir", type=Path, nargs="?", help="default: the latest run in --runs-dir")
+    status.add_argument("--runs-dir", type=Path, default=Path("runs"))
     runs = sub.add_parser("runs", help="list runs")
     runs.add_argument("--runs-dir", type=Path, default=Path("runs"))
     sub.add_parser("doctor", help="what this machine can do: torch, CUDA, kernels, onnxruntime, disk, git")

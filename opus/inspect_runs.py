@@ -12,6 +12,7 @@ from typing import Any
 from opus.atomic import read_json
 from opus.errors import EXIT_OK, InputError
 from opus.events import EventLog
+from opus.run_progress import PROGRESS_FILE, RunEta, describe_running, format_duration
 
 
 def is_running(run_dir: Path) -> bool:
@@ -48,13 +49,50 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     return {"status": status, "stages": stages, "summary": summary, "last_event": last}
 
 
+def _created(run_dir: Path) -> float:
+    """When the run began: run.json's ``created``, else the file's modification time."""
+    try:
+        created = read_json(run_dir / "run.json").get("created")
+    except (OSError, ValueError, AttributeError):
+        created = None
+    return created if isinstance(created, (int, float)) else (run_dir / "run.json").stat().st_mtime
+
+
+def latest_run(runs_dir: Path) -> Path:
+    runs = [p for p in runs_dir.glob("*") if (p / "run.json").is_file()]
+    if not runs:
+        raise InputError("no runs here; name a run directory", file=str(runs_dir))
+    return max(runs, key=_created)
+
+
+def running_progress(run_dir: Path) -> list[str]:
+    """The running stages' lines from progress.json (the display rewrites it every few seconds)."""
+    try:
+        progress = read_json(run_dir / PROGRESS_FILE)
+    except (OSError, ValueError):
+        return []  # not written yet (an older opus, or the first stage has not started)
+    now = time.time()
+    lines = [f"  running {describe_running(entry, now)}" for entry in progress.get("running", [])]
+    if lines:
+        eta = RunEta(progress.get("run_eta_s"), bool(progress.get("run_eta_estimated"))).text()
+        lines.append(f"  run ETA {eta}  (as of {format_duration(now - progress.get('updated', now))} ago)")
+    return lines
+
+
 def cmd_status(args: argparse.Namespace) -> int:
-    state = run_state(args.run_dir)
-    print(f"{args.run_dir}: {state['status']}")
+    run_dir = args.run_dir
+    if run_dir is None:
+        run_dir = latest_run(args.runs_dir)
+        print(f"latest run in {args.runs_dir}:")
+    state = run_state(run_dir)
+    print(f"{run_dir}: {state['status']}")
     if state["last_event"]:
         print(f"  last event {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(state['last_event']))}")
     for stage, outcome in state["stages"].items():
         print(f"  {stage:<20} {outcome}")
+    if state["status"] == "running":
+        for line in running_progress(run_dir):
+            print(line)
     summary = state["summary"]
     if summary and summary.get("ratios"):
         print("  vs baseline: " + "  ".join(f"{k} ×{v:.3f}" for k, v in summary["ratios"].items()))
