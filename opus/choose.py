@@ -6,10 +6,11 @@ kv_config stage's cache, the fuse stage's compile choice) is decided here, by on
 1. Interleaved rounds: a warm-up round, then ``rounds`` rounds of A, B, C, A, B, C, ... A slow moment
    of the machine then hits every option alike, not whichever happened to run then.
 2. The median of each option's rounds: one outlier round moves no median.
-3. A noise margin measured on the spot: the largest relative interquartile range (IQR / median) of
-   any option's rounds, and at least ``MIN_MARGIN``. The floor stands for the drift between runs that
-   a few rounds inside one run cannot show; the full IQR (not half) because two medians of a few
-   rounds each differ by about that much when the options are equally fast.
+3. A noise margin measured on the spot: the median over the options of their relative interquartile
+   range (IQR / median of an option's rounds), and at least ``MIN_MARGIN``. The median over options
+   so that one option caught in a burst of another process does not tie everything; the full IQR
+   (not half) because two medians of a few rounds each differ by about that much when the options
+   are equally fast; the floor for the drift between runs that a few rounds inside one run cannot show.
 4. The pick: the fastest median, but every option within the margin of it (median <= fastest x
    (1 + margin)) is tied with it; among the tied the more accurate (lower error), then the simpler
    (lower simplicity rank), then the faster wins.
@@ -34,9 +35,9 @@ MIN_MARGIN = 0.02
 # An option that lost a tie is counted this much slower than the winner, so that a solver adding up
 # times (the planner's knapsack) prefers the winner wherever both fit.
 NUDGE = 1e-6
-RULE = ("interleaved rounds; median per option; noise margin = max(IQR/median over the options, "
-        f"{MIN_MARGIN}); options within the margin of the fastest are tied; among the tied the more "
-        "accurate, then the simpler wins")
+RULE = ("interleaved rounds; median per option; noise margin = max(median over the options of "
+        f"IQR/median, {MIN_MARGIN}); options within the margin of the fastest are tied; among the tied "
+        "the more accurate, then the simpler wins")
 
 
 def _sync() -> None:
@@ -122,7 +123,8 @@ def relative_spread(values: list[float]) -> float:
 
 
 def noise_margin(samples: dict[str, list[float]], floor: float = MIN_MARGIN) -> float:
-    return max([floor, *(relative_spread(v) for v in samples.values())])
+    spreads = [relative_spread(v) for v in samples.values()]
+    return max(floor, statistics.median(spreads)) if spreads else floor
 
 
 def _preference(options: dict[str, Option], medians: dict[str, float]) -> Callable[[str], tuple]:
@@ -179,8 +181,9 @@ def credible(decision: Decision) -> dict[str, float]:
     left, out = dict(decision.medians), {}
     while left:
         _, tied, winner = _first_tier(left, decision.margin, decision.options)
+        floor = left[winner] * (1 + NUDGE)
         for name in tied:
-            out[name] = left[name] if name == winner else max(left[name], left[winner] * (1 + NUDGE))
+            out[name] = left[name] if name == winner else max(left[name], floor)
             del left[name]
     return out
 

@@ -9,14 +9,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from opus import replay
 from opus.fingerprint import fingerprint_source, fingerprint_text_set
 from opus.registry import StageType
 from opus.spec import PipelineSpec, StageSpec
 
 
 def run_context_fingerprint(spec: PipelineSpec, base_dir: Path) -> dict[str, Any]:
-    """What every stage depends on: the model source, its dtype/device, the data and the workload."""
-    return {
+    """What every stage depends on: the model source, its dtype/device, the data, the workload and,
+    when set, the decisions replayed from another run."""
+    context = {
         "model": fingerprint_source(spec.model.source(), base_dir),
         "dtype": spec.model.dtype,
         "device": spec.model.device,
@@ -24,6 +26,9 @@ def run_context_fingerprint(spec: PipelineSpec, base_dir: Path) -> dict[str, Any
         "evaluation": fingerprint_text_set(spec.data.evaluation, base_dir),
         "workload": spec.workload.model_dump(mode="json"),
     }
+    replayed = replay.fingerprint(spec.run.decisions_from, base_dir)
+    # Only when set: the keys of runs that replay nothing stay what they were.
+    return {**context, "decisions_from": replayed} if replayed else context
 
 
 def stage_key(stage: StageSpec, stage_type: StageType, cfg: BaseModel,

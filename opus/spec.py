@@ -80,6 +80,8 @@ class RunSpec(Strict):
     min_free_disk_mb: int = Field(256, ge=0)
     threads: int | None = Field(None, gt=0)
     track: Literal["none", "git"] = "none"
+    # An earlier run whose timing decisions this one replays (opus.replay); `opus run --decisions-from`.
+    decisions_from: str | None = None
 
 
 class Threshold(Strict):

@@ -8,10 +8,12 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from opus.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.data import load_blocks
 from opus.errors import InputError
 from opus.quant.calibrate import collect_stats
 from opus.quant.planning import PlanRequest, assignment_from_plan, make_plan
+from opus.replay import source_artifact
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
@@ -57,6 +59,8 @@ class Config(BaseModel):
                            "the whole model and keep the fastest (holds another float copy of the model "
                            "and one quantized copy per contender while timing)")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
+    rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
+                        "(kernel timing, end-to-end check); their spread sets the noise margin (opus.choose)")
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
@@ -68,13 +72,19 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     blocks = load_blocks(text_set, loaded.tokenizer, ctx.base_dir)
     stats = collect_stats(model, blocks, percentile=cfg.percentile, progress=ctx.progress)
     stats.save(ctx.artifact_dir / "calibration.safetensors")
-    if cfg.plan_file:
+    replay = source_artifact(ctx, "plan.yaml")  # run.decisions_from: that run's plan, not timed again
+    decisions: list[Decision] = []
+    if replay is not None:
+        doc = _user_plan(replay, model, f"replayed from {replay}")
+        decisions.append(replayed("plan", "plan.yaml", str(replay)))
+    elif cfg.plan_file:
         doc = _user_plan(ctx.base_dir / cfg.plan_file, model)
     else:
         kind, value = cfg.budget.kind_value()
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
-                              cfg.group_size, cfg.end_to_end_check)
-        doc = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
+                              cfg.group_size, cfg.end_to_end_check, cfg.rounds)
+        doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
+    write_decisions(ctx, decisions)
     ctx.write_artifact("plan.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
     counts: dict[str, int] = {}
     for group in doc["groups"]:
@@ -88,7 +98,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, info={"notes": doc.get("notes", [])})
 
 
-def _user_plan(path: Path, model) -> dict:  # noqa: ANN001
+def _user_plan(path: Path, model, note: str | None = None) -> dict:  # noqa: ANN001
     if not path.is_file():
         raise InputError("plan file not found", file=str(path))
     doc = yaml.safe_load(path.read_text()) or {}
@@ -100,5 +110,5 @@ def _user_plan(path: Path, model) -> dict:  # noqa: ANN001
     missing = sorted(set(assignment) - names)
     if missing:
         raise InputError(f"plan names modules the model does not have: {', '.join(missing[:5])}", file=str(path))
-    doc.setdefault("notes", []).append(f"hand-edited plan from {path}")
+    doc.setdefault("notes", []).append(note or f"hand-edited plan from {path}")
     return doc

@@ -68,12 +68,23 @@ def test_a_tie_between_equally_accurate_options_goes_to_the_simpler() -> None:
 
 
 def test_the_margin_is_measured_from_the_rounds() -> None:
-    # b's middle rounds spread by 11% of its median: a's 5% lead is inside the noise, and the tie goes
-    # to the simpler b
-    a = Option("a", iter([0, 95.0, 95.0, 95.0, 95.0, 95.0]).__next__, simplicity=1)
-    b = Option("b", iter([0, 90.0, 99.0, 100.0, 110.0, 111.0]).__next__)
+    # a's rounds spread by 4% of its median, b's by 8%: the margin is 6%, a's 5% lead is inside it, and
+    # the tie goes to the simpler b
+    a = Option("a", iter([0, 94.0, 95.0, 95.0, 98.8, 99.0]).__next__, simplicity=1)
+    b = Option("b", iter([0, 90.0, 96.0, 100.0, 104.0, 111.0]).__next__)
     d = decide("x", [a, b], 5, timer=reported)
-    assert d.margin == pytest.approx(0.11) and d.tied == ["a", "b"] and d.winner == "b"
+    assert d.margin == pytest.approx(0.06) and d.tied == ["a", "b"] and d.winner == "b"
+    # the same rounds without the noise: a is faster beyond the floor and wins
+    steady = decide("x", [Option("a", lambda: 95.0, simplicity=1), Option("b", lambda: 100.0)], 5, timer=reported)
+    assert steady.margin == MIN_MARGIN and steady.winner == "a"
+
+
+def test_one_option_caught_in_a_burst_does_not_tie_everything() -> None:
+    wild = [0, 70.0, 80.0, 40.0, 55.0, 60.0]
+    options = [Option("fast", lambda: 50.0, error=0.1), Option("slow", lambda: 60.0),
+               Option("wild", iter(wild).__next__, error=0.2)]
+    d = decide("x", options, 5, timer=reported)
+    assert d.margin == MIN_MARGIN and d.winner == "fast" and d.tied == ["fast"]
 
 
 def test_an_outlier_round_does_not_flip_the_decision() -> None:
@@ -92,6 +103,8 @@ def test_spread_is_the_interquartile_range_over_the_median() -> None:
     assert relative_spread([8.0, 9.0, 10.0, 11.0, 12.0]) == pytest.approx(0.2)
     assert noise_margin({"a": [10.0, 10.0, 10.0]}) == MIN_MARGIN
     assert noise_margin({"a": [10.0, 10.0, 10.0]}, floor=0.0) == 0.0
+    assert noise_margin({"a": [8.0, 9.0, 10.0, 11.0, 12.0], "b": [1.0] * 5, "c": [1.0, 9.0, 10.0, 50.0, 90.0]},
+                        floor=0.0) == pytest.approx(0.2)  # the median option's spread
 
 
 def test_credible_times_count_a_lost_tie_as_no_faster_than_its_winner() -> None:

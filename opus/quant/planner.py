@@ -1,7 +1,10 @@
 """The mixed-precision planner: the fastest assignment of formats to groups within a budget.
 
 Each group picks one format (a multiple-choice knapsack solved exactly by dynamic programming over a
-discretized budget). Value: measured kernel time saved over the workload against the float layer.
+discretized budget). Value: measured kernel time saved over the workload against the float layer,
+each format's time as ``opus.choose.credible`` counts it: a format within the noise margin of a more
+accurate one counts as no faster than it, so the knapsack takes the less accurate one only where
+it is faster beyond the noise (or the more accurate one does not fit the budget).
 Cost: predicted Δ cross-entropy (budget ``ppl``), weight bytes (``memory``) or weight bits
 (``bits``). A format slower than float is never chosen unless a rule forces it; the plan says why.
 """
@@ -20,10 +23,15 @@ BINS = 2000
 @dataclass
 class Candidate:
     fmt: str
-    time_ms: float
+    time_ms: float  # as the solver counts it (see the module docstring)
     cost: float  # in the budget's unit
     dce: float | None = None
     kl: float | None = None
+    measured_ms: float | None = None  # the median measured, where it differs from time_ms
+
+    @property
+    def measured(self) -> float:
+        return self.time_ms if self.measured_ms is None else self.measured_ms
 
 
 @dataclass
@@ -36,6 +44,7 @@ class GroupChoice:
     forced: str | None = None
     params: int = 0
     notes: list[str] = field(default_factory=list)
+    margin: float | None = None  # the noise margin of its kernel timings (opus.choose)
 
 
 def budget_limit(kind: str, value: float, total_params: int) -> float:
@@ -88,8 +97,12 @@ def explain(group: GroupChoice, chosen: Candidate, kind: str) -> str:
     if group.forced:
         return f"forced to {chosen.fmt} by a rule"
     speed = f"{float_ms / chosen.time_ms:.2f}× the float layer's speed" if chosen.time_ms > 0 else ""
-    slower = [c.fmt for c in group.candidates if c.time_ms > float_ms and c.fmt != "fp32"]
+    slower = [c.fmt for c in group.candidates if c.measured > float_ms and c.fmt != "fp32"]
     tail = f"; slower than float here: {', '.join(slower)}" if slower else ""
+    # measured faster, counted no faster: within the noise margin of a more accurate format
+    tied = [c.fmt for c in group.candidates if c.measured < chosen.measured and c.time_ms >= chosen.time_ms]
+    if tied and group.margin is not None:
+        tail += f"; within the {group.margin:.1%} noise margin, so no faster: {', '.join(tied)}"
     if chosen.fmt == "fp32":
         return "kept float: no faster format fits the budget" + tail
     faster = [c for c in group.candidates if c.time_ms < chosen.time_ms]
@@ -100,7 +113,7 @@ def explain(group: GroupChoice, chosen: Candidate, kind: str) -> str:
 def plan_document(groups: list[GroupChoice], chosen: dict[str, Candidate], budget: dict[str, Any],
                   limit: float) -> dict[str, Any]:
     float_total = sum(g.float_ms for g in groups)
-    planned = sum(chosen[g.name].time_ms for g in groups)
+    planned = sum(chosen[g.name].measured for g in groups)
     dce = sum(chosen[g.name].dce or 0.0 for g in groups)
     entries = []
     for g in sorted(groups, key=lambda g: g.name):
@@ -109,7 +122,8 @@ def plan_document(groups: list[GroupChoice], chosen: dict[str, Candidate], budge
             "name": g.name, "role": g.role, "format": c.fmt, "modules": g.modules,
             "score": {x.fmt: round(x.dce, 6) for x in g.candidates if x.dce is not None},
             "kl": {x.fmt: round(x.kl, 6) for x in g.candidates if x.kl is not None},
-            "time_ms": {x.fmt: round(x.time_ms, 4) for x in g.candidates},
+            "time_ms": {x.fmt: round(x.measured, 4) for x in g.candidates},
+            **({"margin": round(g.margin, 4)} if g.margin is not None else {}),
             "reason": explain(g, c, budget["kind"]), **({"notes": g.notes} if g.notes else {}),
         })
     return {

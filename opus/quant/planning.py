@@ -10,17 +10,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
 from opus.quant.calibrate import ActivationStats
-from opus.quant.formats import FORMATS, check_format
+from opus.quant.formats import FORMATS, LADDER, check_format
 from opus.quant.groups import QGroup, build_groups, matches
 from opus.quant.planner import Candidate, GroupChoice, budget_limit, plan_document, solve
 from opus.quant.sensitivity import measure_sensitivity
 from opus.quant.smooth import apply_smoothing, smooth_groups
-from opus.quant.speed import KernelTimer, group_time_ms
+from opus.quant.speed import KernelTimer, group_rounds_ms
 from opus.quant.validate import PLAN, check_end_to_end
 
 Progress = Callable[[float, float, str], None]
 ACT_FORMATS = ("w8a8", "w8a8_tensor", "fp8")
+# Between formats as accurate as each other, the one higher up the accuracy ladder is the simpler.
+SIMPLICITY = {fmt: rank for rank, fmt in enumerate(reversed(LADDER))}
 
 
 @dataclass
@@ -34,6 +37,7 @@ class PlanRequest:
     safety: float = 0.7
     group_size: int = 128
     validate: bool = False  # time the plan and the uniform alternatives end to end (opus.quant.validate)
+    rounds: int = DEFAULT_ROUNDS  # interleaved timing rounds per decision (opus.choose)
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -62,8 +66,11 @@ def _cost(kind: str, fmt: str, params: int, dce: float | None) -> float:
 
 
 def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, request: PlanRequest,
-              workload: Any, progress: Progress | None = None) -> dict[str, Any]:
-    """Score every group in every format, time the kernels, solve the budget, explain each choice."""
+              workload: Any, progress: Progress | None = None) -> tuple[dict[str, Any], list[Decision]]:
+    """Score every group in every format, time the kernels, solve the budget, explain each choice.
+
+    Returns the plan document and the timing decisions behind it (one per group, and the end-to-end
+    check's), for ``decisions.json``."""
     device = str(next(model.parameters()).device)
     dtype = next(model.parameters()).dtype
     notes: list[str] = []
@@ -86,29 +93,17 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
             scores.setdefault(name, {}).update(by_fmt)
     cfg = getattr(model, "config", None)
     experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 0) or 0
-    timer = KernelTimer(device, dtype, request.group_size)
-    choices = []
+    timer = KernelTimer(device, dtype, request.group_size, request.rounds)
+    choices, decisions = [], []
     for index, group in enumerate(groups):
         linears = [model.get_submodule(m) for m in group.modules]
-        params = sum(lin.weight.numel() for lin in linears)
         force = forced[group.name]
-        considered = ["fp32", force] if force else ["fp32", *formats]
-        times = {}
-        for fmt in dict.fromkeys(considered):
-            reason = next(filter(None, (FORMATS[fmt].unsupported(lin, request.group_size) for lin in linears)), None)
-            if reason:
-                if fmt == force:
-                    raise ValueError(f"rule forces {group.name} to {fmt}, but {reason}")
-                notes.append(f"{group.name}: {fmt} not possible: {reason}")
-                continue
-            if fmt == "fp32" or fmt == force or fmt in scores.get(group.name, {}):
-                times[fmt] = group_time_ms(timer, fmt, group.modules, linears, group.role, workload, experts,
-                                           top_k)
-        candidates = [Candidate(f, t, _cost(request.budget_kind, f, params,
-                                            scores.get(group.name, {}).get(f, {}).get("dce")),
-                                scores.get(group.name, {}).get(f, {}).get("dce"),
-                                scores.get(group.name, {}).get(f, {}).get("kl")) for f, t in times.items()]
-        choices.append(GroupChoice(group.name, group.role, group.modules, times["fp32"], candidates, force, params))
+        timeable = _timeable(group, linears, force, formats, scores.get(group.name, {}), request.group_size, notes)
+        samples = group_rounds_ms(timer, timeable, group.modules, linears, group.role, workload, experts, top_k)
+        choice, decision = _group_choice(group, linears, force, samples, scores.get(group.name, {}),
+                                         request.budget_kind)
+        choices.append(choice)
+        decisions.append(decision)
         if progress:
             progress(index + 1, len(groups), f"kernel timing {group.name}")
     total_params = sum(c.params for c in choices)
@@ -117,9 +112,11 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     chosen = solve(choices, limit)
     report = None
     if pristine is not None:
-        chosen, report, more = check_end_to_end(pristine, choices, chosen, formats, limit, stats,
-                                                request.group_size, workload, blocks, progress)
+        chosen, report, more, checked = check_end_to_end(pristine, choices, chosen, formats, limit, stats,
+                                                         request.group_size, workload, blocks, progress,
+                                                         rounds=request.rounds)
         notes.extend(more)
+        decisions += [checked] if checked else []
     budget = {"kind": request.budget_kind, "value": request.budget_value, "safety": request.safety}
     doc = plan_document(choices, chosen, budget, limit)
     if report:
@@ -127,10 +124,41 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
         if report["kept"] != PLAN:
             for entry in doc["groups"]:
                 if not entry["reason"].startswith("forced"):
-                    entry["reason"] = f"{report['kept']} measured fastest end to end; kernel view: {entry['reason']}"
+                    entry["reason"] = (f"{report['kept']} kept by the end-to-end check; "
+                                       f"kernel view: {entry['reason']}")
     doc["notes"] = notes
     doc["group_size"] = request.group_size
-    return doc
+    return doc, decisions
+
+
+def _timeable(group: QGroup, linears: list[nn.Linear], force: str | None, formats: list[str],
+              scores: dict[str, Any], group_size: int, notes: list[str]) -> list[str]:
+    """The formats to time for a group: float, and those scored whose kernel takes every layer."""
+    out = []
+    for fmt in dict.fromkeys(["fp32", force] if force else ["fp32", *formats]):
+        reason = next(filter(None, (FORMATS[fmt].unsupported(lin, group_size) for lin in linears)), None)
+        if reason:
+            if fmt == force:
+                raise ValueError(f"rule forces {group.name} to {fmt}, but {reason}")
+            notes.append(f"{group.name}: {fmt} not possible: {reason}")
+        elif fmt == "fp32" or fmt == force or fmt in scores:
+            out.append(fmt)
+    return out
+
+
+def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, samples: dict[str, list[float]],
+                  scores: dict[str, Any], budget_kind: str) -> tuple[GroupChoice, Decision]:
+    """The group's candidates, each timed as the shared rule counts it (opus.choose.credible)."""
+    params = sum(lin.weight.numel() for lin in linears)
+    dce = {fmt: scores.get(fmt, {}).get("dce") for fmt in samples}
+    options = [Option(fmt, error=max(dce[fmt] or 0.0, 0.0), simplicity=SIMPLICITY[fmt]) for fmt in samples]
+    decision = decide_from(f"kernel formats: {group.name}", options, samples, unit="ms")
+    counted = credible(decision)
+    candidates = [Candidate(fmt, counted[fmt], _cost(budget_kind, fmt, params, dce[fmt]), dce[fmt],
+                            scores.get(fmt, {}).get("kl"), measured_ms=decision.medians[fmt]) for fmt in samples]
+    choice = GroupChoice(group.name, group.role, group.modules, decision.medians["fp32"], candidates, force, params,
+                         margin=decision.margin)
+    return choice, decision
 
 
 def assignment_from_plan(doc: dict[str, Any]) -> dict[str, str]:

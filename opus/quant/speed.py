@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from opus.choose import DEFAULT_ROUNDS, Option, interleave, reported, wall_clock
 from opus.quant.formats import FORMATS
 
 MAX_ROWS = 2048  # larger row counts are timed at this size and scaled: GEMM time is linear in rows
@@ -24,51 +25,49 @@ class Shape:
     rows: int
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 @torch.inference_mode()
-def time_kernel(fmt: str, shape: Shape, device: str, dtype: torch.dtype, group_size: int,
-                repeats: int = 7) -> float:
-    """Median milliseconds of one forward of a layer of ``shape`` in ``fmt``.
+def time_formats(formats: list[str], shape: Shape, device: str, dtype: torch.dtype, group_size: int,
+                 rounds: int = DEFAULT_ROUNDS) -> dict[str, list[float]]:
+    """Milliseconds of one forward of a layer of ``shape`` in each format, per interleaved round.
 
-    Each timed call cycles through enough copies of the layer to exceed the CPU caches: in a real
-    decode step every weight comes from memory, not from cache — and that is where narrow weights
-    pay off. A single cache-hot layer would favour float weights.
+    Each round calls, per format, copies of the layer in turn, enough over all rounds to exceed the
+    CPU caches: in a real decode step every weight comes from memory, not from cache — and that is
+    where narrow weights pay off. A single cache-hot layer would favour float weights. A round's
+    figure is the median of its calls (a call caught by another process is not counted); the formats
+    take turns round by round (``opus.choose``), so that the machine's slow moments hit them alike.
     """
     rows = min(shape.rows, MAX_ROWS)
     weight_bytes = shape.in_features * shape.out_features * torch.finfo(dtype).bits // 8
     copies = max(1, min(COLD_COPIES_MAX, -(-COLD_BYTES // weight_bytes)))
-    modules = [FORMATS[fmt].build(nn.Linear(shape.in_features, shape.out_features, bias=False, device=device,
-                                            dtype=dtype), group_size) for _ in range(copies)]
     x = torch.randn(rows, shape.in_features, device=device, dtype=dtype)
-    for module in modules[:2]:
-        module(x)
-    samples = []
-    for index in range(max(repeats, 2 * copies)):  # every copy timed cold twice
-        module = modules[index % copies]
-        _sync(device)
-        start = time.perf_counter()
-        module(x)
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3 * shape.rows / rows
+    # Every copy is timed cold twice over all rounds, as many calls as a single timing used to take.
+    calls = max(2, -(-max(7, 2 * copies) // rounds))
+
+    def option(fmt: str) -> Option:
+        turn = itertools.cycle([FORMATS[fmt].build(nn.Linear(shape.in_features, shape.out_features, bias=False,
+                                                             device=device, dtype=dtype), group_size)
+                                for _ in range(copies)])
+        return Option(fmt, lambda: statistics.median(wall_clock(lambda: next(turn)(x)) for _ in range(calls)))
+
+    samples = interleave([option(fmt) for fmt in formats], rounds, timer=reported)
+    scale = 1e3 * shape.rows / rows  # scaled to the shape's row count
+    return {fmt: [s * scale for s in taken] for fmt, taken in samples.items()}
 
 
 class KernelTimer:
     """Caches timings by (format, shape): many layers share a shape."""
 
-    def __init__(self, device: str, dtype: torch.dtype, group_size: int) -> None:
-        self.device, self.dtype, self.group_size = device, dtype, group_size
-        self.cache: dict[tuple[str, Shape], float] = {}
+    def __init__(self, device: str, dtype: torch.dtype, group_size: int, rounds: int = DEFAULT_ROUNDS) -> None:
+        self.device, self.dtype, self.group_size, self.rounds = device, dtype, group_size, rounds
+        self.cache: dict[tuple[str, Shape], list[float]] = {}
 
-    def __call__(self, fmt: str, shape: Shape) -> float:
-        key = (fmt, shape)
-        if key not in self.cache:
-            self.cache[key] = time_kernel(fmt, shape, self.device, self.dtype, self.group_size)
-        return self.cache[key]
+    def __call__(self, formats: list[str], shape: Shape) -> dict[str, list[float]]:
+        missing = [fmt for fmt in formats if (fmt, shape) not in self.cache]
+        if missing:
+            for fmt, taken in time_formats(missing, shape, self.device, self.dtype, self.group_size,
+                                           self.rounds).items():
+                self.cache[(fmt, shape)] = taken
+        return {fmt: self.cache[(fmt, shape)] for fmt in formats}
 
 
 def workload_rows(role: str, workload: Any, experts: int, top_k: int) -> tuple[int, int]:
@@ -96,12 +95,16 @@ def merged_shapes(names: list[str], linears: list[nn.Linear]) -> list[tuple[int,
     return shapes
 
 
-def group_time_ms(timer: KernelTimer, fmt: str, names: list[str], linears: list[nn.Linear], role: str,
-                  workload: Any, experts: int, top_k: int) -> float:
-    """Time of the group's GEMMs over the workload: one prefill plus output_len decode steps."""
+def group_rounds_ms(timer: KernelTimer, formats: list[str], names: list[str], linears: list[nn.Linear], role: str,
+                    workload: Any, experts: int, top_k: int) -> dict[str, list[float]]:
+    """Per format, ``timer.rounds`` figures of the group's GEMM time over the workload (one prefill
+    plus output_len decode steps). Each shape's rounds are sorted before they are added up, so that
+    the group's median (and quartiles) is the sum of its shapes' medians (quartiles): a round in which
+    one shape was slowed does not carry over to the others."""
     prefill_rows, decode_rows = workload_rows(role, workload, experts, top_k)
-    total = 0.0
+    totals = {fmt: [0.0] * timer.rounds for fmt in formats}
     for dims in merged_shapes(names, linears):
-        total += timer(fmt, Shape(*dims, prefill_rows))
-        total += workload.output_len * timer(fmt, Shape(*dims, decode_rows))
-    return total
+        for rows, weight in ((prefill_rows, 1), (decode_rows, workload.output_len)):
+            for fmt, taken in timer(formats, Shape(*dims, rows)).items():
+                totals[fmt] = [t + weight * s for t, s in zip(totals[fmt], sorted(taken))]
+    return totals

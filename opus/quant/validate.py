@@ -4,8 +4,9 @@ The planner adds up kernel timings measured one GEMM at a time. Whatever those m
 the GEMMs, caches shared by the layers, the engine's own work) shows only when the whole model runs.
 So the plan stage builds the planned model and every uniform assignment that fits the same predicted
 budget (every free group, a tied lm_head included, in that format), runs each through the engine on
-the workload's shape (interleaved, so that a slow moment of the machine hits every contender), and
-keeps the per-layer plan unless a uniform one is measured clearly faster.
+the workload's shape in interleaved rounds and picks by the shared rule of ``opus.choose``: the
+fastest, unless others are within the noise margin of it; then the more accurate (lower predicted
+Δ cross-entropy), then the simpler (a uniform assignment before the per-layer plan).
 
 The contenders run unfused (the fuse stage comes later and changes every contender alike, except
 that float experts group and quantized ones loop per expert): the check ranks assignments, it does
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
 from opus.engine import generate
 from opus.kvcache import cache_factory
 from opus.quant.apply import quantize_model
@@ -31,9 +33,6 @@ from opus.quant.planner import Candidate, GroupChoice
 
 Progress = Callable[[float, float, str], None]
 PLAN = "plan"
-# A uniform assignment replaces the per-layer plan only when measured this much faster: closer than
-# that, the two are within this machine's run-to-run noise and the plan's reasons stand.
-MARGIN = 0.02
 
 
 def uniform_alternatives(choices: list[GroupChoice], formats: list[str],
@@ -67,44 +66,52 @@ def _assignment(chosen: dict[str, Candidate], choices: list[GroupChoice]) -> dic
     return {m: chosen[g.name].fmt for g in choices for m in g.modules if chosen[g.name].fmt != "fp32"}
 
 
+def _error(chosen: dict[str, Candidate]) -> float:
+    """Predicted Δ cross-entropy of an assignment (gains predicted below zero count as none)."""
+    return sum(max(c.dce or 0.0, 0.0) for c in chosen.values())
+
+
 def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, Candidate]],
                        choices: list[GroupChoice], stats: ActivationStats, group_size: int, workload: Any,
-                       blocks: torch.Tensor, *, decode_steps: int = 16, repeats: int = 3,
-                       progress: Progress | None = None) -> dict[str, dict[str, float]]:
+                       blocks: torch.Tensor, *, decode_steps: int = 16, rounds: int = DEFAULT_ROUNDS,
+                       progress: Progress | None = None) -> tuple[dict[str, dict[str, float]], Decision]:
     """Per contender: prefill ms, decode ms per step and the workload's batch ms (prefill plus
-    ``output_len - 1`` decode steps), medians over ``repeats`` interleaved rounds."""
-    models = {}
-    for index, (name, chosen) in enumerate(contenders.items()):
-        model = copy.deepcopy(float_model)
-        quantize_model(model, _assignment(chosen, choices), stats, group_size=group_size)
-        models[name] = model
-        if progress:
-            progress(index + 1, len(contenders), f"end-to-end check: built {name}")
+    ``output_len - 1`` decode steps), medians over ``rounds`` interleaved rounds; and the decision."""
     prompts = workload_prompts(blocks, workload.batch_size, workload.input_len)
     steps = max(1, min(decode_steps, workload.output_len - 1))
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
-    rounds = repeats + 1  # the first round warms up and is not counted
-    for round_index in range(rounds):
-        for index, (name, model) in enumerate(models.items()):
+    seen: dict[str, list[tuple[float, float]]] = {}
+
+    def option(index: int, name: str, chosen: dict[str, Candidate]) -> Option:
+        model = copy.deepcopy(float_model)
+        quantize_model(model, _assignment(chosen, choices), stats, group_size=group_size)
+        if progress:
+            progress(index + 1, len(contenders), f"end-to-end check: built {name}")
+
+        def run() -> float:  # the engine's own timings: batch ms of the workload
             result = generate(model, prompts, steps + 1, cache_factory(model))
-            if round_index:
-                samples[name].append((result.ttft_s * 1e3, result.decode_s * 1e3 / steps))
-            if progress:
-                progress(round_index * len(models) + index + 1, rounds * len(models), f"end-to-end check {name}")
+            prefill, decode = result.ttft_s * 1e3, result.decode_s * 1e3 / steps
+            seen.setdefault(name, []).append((prefill, decode))
+            return prefill + (workload.output_len - 1) * decode
+
+        return Option(name, run, error=_error(chosen), simplicity=int(name == PLAN))
+
+    options = [option(i, name, chosen) for i, (name, chosen) in enumerate(contenders.items())]
+    decision = decide("end-to-end check", options, rounds, timer=reported, unit="ms", progress=progress)
     measured = {}
-    for name, pairs in samples.items():
-        prefill = statistics.median(p for p, _ in pairs)
-        decode = statistics.median(d for _, d in pairs)
-        measured[name] = {"prefill_ms": round(prefill, 3), "decode_step_ms": round(decode, 4),
-                          "batch_ms": round(prefill + (workload.output_len - 1) * decode, 2)}
-    return measured
+    for name, pairs in seen.items():
+        timed = pairs[-rounds:]  # the warm-up round is not counted
+        measured[name] = {"prefill_ms": round(statistics.median(p for p, _ in timed), 3),
+                          "decode_step_ms": round(statistics.median(d for _, d in timed), 4),
+                          "batch_ms": round(decision.medians[name], 2)}
+    return measured, decision
 
 
 def check_end_to_end(float_model: nn.Module, choices: list[GroupChoice], planned: dict[str, Candidate],
                      formats: list[str], limit: float, stats: ActivationStats, group_size: int, workload: Any,
-                     blocks: torch.Tensor, progress: Progress | None = None
-                     ) -> tuple[dict[str, Candidate], dict[str, Any], list[str]]:
-    """``(chosen, report, notes)``: the per-layer plan, or a uniform assignment measured faster."""
+                     blocks: torch.Tensor, progress: Progress | None = None, rounds: int = DEFAULT_ROUNDS
+                     ) -> tuple[dict[str, Candidate], dict[str, Any], list[str], Decision | None]:
+    """``(chosen, report, notes, decision)``: the per-layer plan, or the uniform assignment the
+    shared rule picks over it (``decision`` is None when nothing but the plan was left to time)."""
     alternatives, notes = uniform_alternatives(choices, formats, limit)
     contenders = {PLAN: planned}
     for name, chosen in alternatives.items():
@@ -114,16 +121,15 @@ def check_end_to_end(float_model: nn.Module, choices: list[GroupChoice], planned
             contenders[name] = chosen
     if len(contenders) == 1:
         notes.append("end-to-end check skipped: no uniform format differs from the plan within the budget")
-        return planned, {}, notes
-    measured = measure_contenders(float_model, contenders, choices, stats, group_size, workload, blocks,
-                                  progress=progress)
-    fastest = min(measured, key=lambda name: measured[name]["batch_ms"])
-    clearly = measured[fastest]["batch_ms"] < (1 - MARGIN) * measured[PLAN]["batch_ms"]
-    kept = fastest if clearly else PLAN
+        return planned, {}, notes, None
+    measured, decision = measure_contenders(float_model, contenders, choices, stats, group_size, workload, blocks,
+                                            rounds=rounds, progress=progress)
+    kept = decision.winner
     report = {"workload": {"batch_size": workload.batch_size, "input_len": workload.input_len,
                            "output_len": workload.output_len},
-              "contenders": measured, "kept": kept, "margin": MARGIN}
+              "contenders": measured, "kept": kept, "margin": round(decision.margin, 4), "tied": decision.tied,
+              "reason": decision.reason}
     if kept != PLAN:
-        notes.append(f"{kept} measured faster end to end than the per-layer plan "
-                     f"({measured[kept]['batch_ms']} vs {measured[PLAN]['batch_ms']} ms per batch): kept it")
-    return contenders[kept], report, notes
+        notes.append(f"{kept} kept over the per-layer plan by the end-to-end check ({measured[kept]['batch_ms']} "
+                     f"vs {measured[PLAN]['batch_ms']} ms per batch): {decision.reason}")
+    return contenders[kept], report, notes, decision

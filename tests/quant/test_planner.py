@@ -113,8 +113,12 @@ def test_make_plan_on_a_tiny_moe(tmp_path) -> None:  # noqa: ANN001
     stats = collect_stats(model, data)
     request = PlanRequest(["w8a8", "w8a16", "w4a16"], force={"*.mlp.gate": "fp32", "lm_head": "w8a16"},
                           budget_value=0.05)
-    doc = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
+    doc, decisions = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
     groups = {g["name"]: g for g in doc["groups"]}
+    # Every group's kernel timing is a decision of the shared rule: interleaved rounds and a margin.
+    assert sorted(d.what for d in decisions) == sorted(f"kernel formats: {name}" for name in groups)
+    assert all(len(v) == request.rounds for d in decisions for v in d.samples.values())
+    assert all(g["margin"] >= 0.02 for g in doc["groups"])
     assert groups["model.layers.0.mlp.gate"]["format"] == "fp32"
     assert groups["lm_head"]["format"] == "w8a16" and groups["lm_head"]["reason"] == "forced to w8a16 by a rule"
     qkv = groups["model.layers.0.self_attn.qkv"]
@@ -178,16 +182,21 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     stats = collect_stats(model, data)
     request = PlanRequest(["w8a8", "w8a16"], force={"*.mlp.gate": "fp32"}, budget_value=0.5, validate=True)
     weights = {n: t.clone() for n, t in model.state_dict().items()}
-    doc = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
+    doc, decisions = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
     measured = doc["measured"]
     contenders = measured["contenders"]
     same_as_plan = sum("is the per-layer plan itself" in n for n in doc["notes"])
     assert "plan" in contenders and len(contenders) + same_as_plan == 3  # the plan and both uniform formats
-    for row in contenders.values():
-        assert row["batch_ms"] == pytest.approx(row["prefill_ms"] + 3 * row["decode_step_ms"], abs=0.02)
-    fastest = min(contenders, key=lambda n: contenders[n]["batch_ms"])
-    beats_plan = contenders[fastest]["batch_ms"] < (1 - measured["margin"]) * contenders["plan"]["batch_ms"]
-    assert measured["kept"] == (fastest if beats_plan else "plan")
+    check = decisions[-1]
+    for name, row in contenders.items():  # batch ms: the median over rounds of prefill + 3 decode steps
+        assert row["batch_ms"] == round(check.medians[name], 2) and len(check.samples[name]) == request.rounds
+        assert row["prefill_ms"] > 0 and row["decode_step_ms"] > 0
+    # The shared rule picked: of the contenders tied with the fastest, the one predicted most accurate.
+    assert check.what == "end-to-end check" and check.winner == measured["kept"] and measured["margin"] >= 0.02
+    medians = check.medians
+    fastest = min(medians, key=medians.get)
+    assert set(check.tied) == {n for n in medians if medians[n] <= medians[fastest] * (1 + check.margin)}
+    assert measured["kept"] == min(check.tied, key=lambda n: (check.options[n].error, check.options[n].simplicity))
     if measured["kept"] != "plan":  # a uniform format won: the document is that format
         fmt = measured["kept"].split()[-1]
         assert {g["format"] for g in doc["groups"] if not g["reason"].startswith("forced")} <= {fmt, "fp32"}
