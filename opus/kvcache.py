@@ -197,9 +197,16 @@ def _by_batch(options: dict[str, Any], shape: CacheShape) -> KVCache:
                              f"{'the last without' if last else 'with'} up_to; got {rule!r}")
         kind = rule["cache"].get("kind", DEFAULT_KIND)
         _builder(kind, rule["cache"].get("provider"))  # an unknown kind fails now, at any batch size
-    for rule in rules:
-        if "up_to" not in rule or shape.batch_size <= rule["up_to"]:
-            return build_cache(rule["cache"], shape)
+    return build_cache(cache_for_batch(options | {"kind": BY_BATCH}, shape.batch_size), shape)
+
+
+def cache_for_batch(config: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """The cache a config runs at ``batch_size``: a by_batch config's first matching rule, else itself."""
+    if config.get("kind") != BY_BATCH:
+        return config
+    for rule in config["rules"]:
+        if "up_to" not in rule or batch_size <= rule["up_to"]:
+            return rule["cache"]
     raise AssertionError("unreachable: the last rule matches every batch size")
 
 

@@ -170,9 +170,16 @@ def measure_throughput(model: nn.Module, prompts: torch.Tensor, output_len: int,
     with memory:
         runs = [run("P")]
     runs += [run("P") for _ in range(repeats - 1)]
-    out: dict[str, Any] = {"peak_mem_mb": memory.peak_mb, "peak_mem_rise_mb": memory.rise_mb,
-                           "peak_mem_method": memory.method}
-    out.update(_timed("throughput_tok_s", [r.tok_s for r in runs]))
+    return {**memory_figures(memory), **throughput_figures(runs, output_len)}
+
+
+def memory_figures(memory: PeakMemory) -> dict[str, Any]:
+    return {"peak_mem_mb": memory.peak_mb, "peak_mem_rise_mb": memory.rise_mb, "peak_mem_method": memory.method}
+
+
+def throughput_figures(runs: list[Any], output_len: int) -> dict[str, Any]:
+    """P figures of timed batch runs (GenerationResults): medians, each with its spread."""
+    out = _timed("throughput_tok_s", [r.tok_s for r in runs])
     out.update(_timed("prefill_ms_batch", [r.ttft_s * 1000 for r in runs]))  # the whole batch's prefill
     if output_len > 1:
         out.update(_timed("decode_tok_s_batch", [r.decode_tok_s for r in runs]))

@@ -3,10 +3,13 @@
 Candidates — the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, and the
 static cache whose decode steps run as one compiled graph (``opus.static_cache``; Opus decoders
 only) — run the pipeline's workload (or the ``input_len``/``output_len`` given here) at each batch
-size that fits the memory budget (default: 1 and the workload's). The fastest candidate at each
-batch size wins there; where the winners differ (a compiled static step wins at batch 1, where
-per-op dispatch bounds a step, and a pooled cache at batch 32), the recipe gets a ``by_batch``
-cache that picks by the request's batch size. The choice is written into the recipe as
+size that fits the memory budget (default: 1 and the workload's), in interleaved rounds
+(``repeats``). At each batch size the shared rule of ``opus.choose`` picks: the fastest, unless
+others are within the noise margin of it; then the simpler wins (growing, then pooled, then
+static); ``decisions.json`` keeps the rounds, margin and reason. Where the winners differ (a
+compiled static step wins at batch 1, where per-op dispatch bounds a step, and a pooled cache at
+batch 32), the recipe gets a ``by_batch`` cache that picks by the request's batch size. With
+``run.decisions_from`` the caches of that run are measured and kept instead. The choice is written into the recipe as
 ``{"kind": "kv_cache", "cache": {...}}``, which baseline/eval and the engine read to build their
 cache. The step changes no tensor.
 
@@ -28,6 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.choose import DEFAULT_ROUNDS, replayed, write_decisions
+from opus.replay import source_artifact
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
@@ -53,7 +58,7 @@ class Config(BaseModel):
     input_len: int | None = Field(None, gt=0)  # default: the workload's
     output_len: int | None = Field(None, gt=0)
     warmup: int | None = Field(None, ge=0)
-    repeats: int | None = Field(None, gt=0)
+    repeats: int | None = Field(None, gt=0)  # timed rounds; default: 5, or the workload's repeats if more
     seed: int = 0
 
 
@@ -80,14 +85,57 @@ def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> i
     return max_batch(budget, per_token, context, cache["prealloc"], cache["step"], cache["max_context"])
 
 
-def _winners(measured: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """The fastest measured row at each batch size."""
-    best: dict[int, dict[str, Any]] = {}
-    for row in measured:
-        held = best.get(row["batch_size"])
-        if held is None or row["throughput_tok_s"] > held["throughput_tok_s"]:
-            best[row["batch_size"]] = row
-    return dict(sorted(best.items()))
+# Between caches equally fast within the noise: the one with less machinery.
+SIMPLICITY = {"growing": 0, "pooled": 1, "static": 2}
+
+
+def _label(cache: dict[str, Any]) -> str:
+    """A cache config in a few words, unique among the candidates: ``pooled prealloc 512, step 256``."""
+    options = ", ".join(f"{k} {v}" for k, v in cache.items() if k not in ("kind", "provider", "max_context"))
+    return f"{cache['kind']} {options}".strip()
+
+
+def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]], warmup: int, rounds: int,
+          progress: Any) -> tuple[Any, dict[str, Any]]:
+    """Time the rows' caches at one batch size in interleaved rounds (opus.choose); fill each row's P
+    figures and the peak memory of its first timed run. Returns the decision and the winning row."""
+    from contextlib import nullcontext
+
+    from opus.choose import Option, decide, reported
+    from opus.engine import generate, model_device
+    from opus.kvcache import cache_factory
+    from opus.metrics import PeakMemory, memory_figures, throughput_figures
+
+    runs: dict[str, list[Any]] = {}
+
+    def option(row: dict[str, Any]) -> Option:
+        label, factory = _label(row["cache"]), cache_factory(model, row["cache"])
+        seen = runs.setdefault(label, [])  # warm-up runs first
+
+        def run() -> float:
+            memory = PeakMemory(model_device(model)) if len(seen) == warmup else None
+            with memory or nullcontext():
+                seen.append(generate(model, prompts, output_len, factory, on_step=lambda _: progress.advance(1, "P")))
+            if memory is not None:
+                row.update(memory_figures(memory))
+            return seen[-1].total_s
+
+        return Option(label, run, simplicity=SIMPLICITY.get(row["cache"]["kind"], len(SIMPLICITY)))
+
+    options = [option(row) for row in rows]
+    decision = decide(f"KV cache at batch {prompts.shape[0]}", options, rounds, warmup=warmup, timer=reported)
+    for row, opt in zip(rows, options):
+        row.update(throughput_figures(runs[opt.name][warmup:], output_len), label=opt.name)
+    return decision, next(row for row, opt in zip(rows, options) if opt.name == decision.winner)
+
+
+def _replayed(path: Any, batches: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """Per batch size, the one cache the earlier run's kv_config.json chose there."""
+    from opus.kvcache import cache_for_batch
+
+    report = json.loads(path.read_text())
+    winners = report.get("winners") or {}
+    return {b: [winners.get(str(b)) or cache_for_batch(report["chosen"], b)] for b in batches}
 
 
 def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -124,9 +172,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus import static_cache
     from opus.data import random_blocks
     from opus.engine import model_device, supports_cache
-    from opus.kvcache import cache_factory, kv_cache_step
+    from opus.kvcache import kv_cache_step
     from opus.kvpool import kv_bytes_per_token, memory_budget
-    from opus.metrics import Progress, measure_throughput, vocab_size
+    from opus.metrics import Progress, vocab_size
 
     model = ctx.load_model().model
     mc = getattr(model, "config", None)
@@ -140,32 +188,34 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     budget = int(cfg.memory_budget_mb * MB) if cfg.memory_budget_mb else memory_budget(cfg.memory_fraction, device)
     wl = ctx.workload
     input_len, output_len = cfg.input_len or wl.input_len, cfg.output_len or wl.output_len
-    warmup, repeats = (cfg.warmup if cfg.warmup is not None else wl.warmup), cfg.repeats or wl.repeats
+    warmup = cfg.warmup if cfg.warmup is not None else wl.warmup
     context = input_len + output_len
     if context > max_ctx:
         raise ValueError(f"the workload needs {context} positions; max_context is {max_ctx}")
     batches = sorted(set(cfg.batch_sizes or [1, wl.batch_size]))
-    candidates = _candidates(cfg, max_ctx, model)
+    replay = source_artifact(ctx, "kv_config.json")  # run.decisions_from: that run's caches
+    plans = _replayed(replay, batches) if replay else {b: _candidates(cfg, max_ctx, model) for b in batches}
+    rounds = cfg.repeats or max(DEFAULT_ROUNDS, wl.repeats)
     progress = Progress(ctx.progress)
-    progress.expect(len(candidates) * len(batches) * (max(1, warmup) + repeats) * output_len)
+    progress.expect(sum(map(len, plans.values())) * (max(1, warmup) + rounds) * output_len)
     rows: list[dict[str, Any]] = []
-    for cache in candidates:
-        fit = _fits(cache, budget, per_token, context)
-        for batch in batches:
-            row: dict[str, Any] = {"cache": cache, "batch_size": batch, "max_batch": fit}
-            rows.append(row)
-            if batch > fit:
-                row["skipped"] = f"batch {batch} does not fit the budget (max {fit})"
-                continue
+    decisions, winners = [], {}
+    for batch, caches in plans.items():
+        here = [{"cache": c, "batch_size": batch, "max_batch": _fits(c, budget, per_token, context)} for c in caches]
+        for row in here:
+            if batch > row["max_batch"]:
+                row["skipped"] = f"batch {batch} does not fit the budget (max {row['max_batch']})"
+        rows += here
+        fitting = [r for r in here if "skipped" not in r]
+        if fitting:
             prompts = random_blocks(batch, input_len, vocab_size(model), cfg.seed).to(device)
             torch.manual_seed(cfg.seed)
-            row.update(measure_throughput(model, prompts, output_len, cache_factory(model, cache), warmup,
-                                          repeats, progress))
+            decision, winners[batch] = _race(model, prompts, output_len, fitting, max(1, warmup), rounds, progress)
+            decisions.append(replayed(decision.what, decision.winner, str(replay)) if replay else decision)
     measured = [r for r in rows if "throughput_tok_s" in r]
     if not measured:
         raise ValueError(f"no candidate fits the memory budget of {budget / MB:.0f} MB "
                          f"({per_token} KV bytes per token, {context} positions per sequence)")
-    winners = _winners(measured)
     best = max(winners.values(), key=lambda r: r["throughput_tok_s"])  # the batch size to serve at
     chosen = _choice(winners)
     checked = {json.dumps(r["cache"], sort_keys=True): r for r in winners.values() if r["cache"]["kind"] != "growing"}
@@ -193,5 +243,6 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
                                           "winners": {str(b): r["cache"] for b, r in winners.items()},
                                           "notes": notes,
                                           "workload": {"input_len": input_len, "output_len": output_len,
-                                                       "batch_sizes": batches, "repeats": repeats}})
+                                                       "batch_sizes": batches, "rounds": rounds}})
+    write_decisions(ctx, decisions)
     return StageResult(metrics=metrics, recipe=[step], info={"kv_cache": chosen})

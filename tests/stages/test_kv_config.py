@@ -24,9 +24,9 @@ SHAPE = ModelConfig(family="llama", vocab_size=8, hidden_size=8, intermediate_si
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def test_measures_candidates_and_records_the_fastest_at_each_batch_size(tmp_path):
+def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_path):
     pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
-    result = kv_config.run(context(pipeline, tmp_path / "out", "kv"), kv_config.Config(**SMALL))
+    result = kv_config.run(context(pipeline, tmp_path / "out", "kv"), kv_config.Config(**{**SMALL, "repeats": 3}))
     assert result.model is None and len(result.recipe) == 1
     step = result.recipe[0]
     chosen = cache_config_from_recipe(result.recipe)
@@ -35,13 +35,35 @@ def test_measures_candidates_and_records_the_fastest_at_each_batch_size(tmp_path
     report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
     assert len(report["candidates"]) == 4 * 2  # (2 pooled + growing + static) x 2 batch sizes
     assert all(c["throughput_tok_s"] > 0 for c in report["candidates"])
-    for batch in (1, 2):  # the recipe's cache at each batch size is the fastest measured there
-        rows = [c for c in report["candidates"] if c["batch_size"] == batch]
-        fastest = max(rows, key=lambda c: c["throughput_tok_s"])["cache"]
-        assert report["winners"][str(batch)] == fastest
-        assert type(make_cache(chosen, SHAPE, batch, 16)) is type(make_cache(fastest, SHAPE, batch, 16))
+    decisions = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
+    assert [d["what"] for d in decisions] == ["KV cache at batch 1", "KV cache at batch 2"]
+    for batch, decision in zip((1, 2), decisions):  # the recipe's cache at each batch size is the decision's
+        rows = {c["label"]: c for c in report["candidates"] if c["batch_size"] == batch}
+        assert {c["name"]: len(c["rounds"]) for c in decision["candidates"]} == dict.fromkeys(rows, 3)
+        assert decision["winner"] in decision["tied"]
+        won = rows[decision["winner"]]["cache"]
+        assert report["winners"][str(batch)] == won
+        assert type(make_cache(chosen, SHAPE, batch, 16)) is type(make_cache(won, SHAPE, batch, 16))
     assert result.metrics["kv_exact_match"] == 1.0 and result.metrics["kv_max_batch"] >= 2
     assert not undeclared_metrics(kv_config, result.metrics)  # what gates are checked against before a run
+
+
+def test_an_earlier_runs_caches_are_replayed(tmp_path):
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
+    earlier = tmp_path / "earlier" / "artifacts" / "kv"
+    earlier.mkdir(parents=True)
+    growing, pooled = {"kind": "growing"}, {"kind": "pooled", "provider": "opus.kvpool", "prealloc": 4, "step": 2,
+                                             "max_context": 8192}
+    (earlier / "kv_config.json").write_text(json.dumps({"winners": {"1": growing, "2": pooled}}))
+    ctx = context(pipeline, tmp_path / "out", "kv")
+    ctx.spec.run.decisions_from = str(tmp_path / "earlier")
+    result = kv_config.run(ctx, kv_config.Config(**SMALL))
+    report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
+    assert [(c["batch_size"], c["cache"]) for c in report["candidates"]] == [(1, growing), (2, pooled)]
+    assert report["winners"] == {"1": growing, "2": pooled}  # the earlier choice, not this run's timings
+    assert cache_config_from_recipe(result.recipe)["kind"] == "by_batch"
+    decisions = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
+    assert all(d["replayed_from"] == str(earlier / "kv_config.json") for d in decisions)
 
 
 def test_budget_limits_the_batch(tmp_path):
