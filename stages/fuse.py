@@ -22,10 +22,13 @@ the remedy switches off one pattern per retry, riskiest first::
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.choose import DEFAULT_ROUNDS, write_decisions
+from opus.replay import source_artifact
 from opus.stage import StageContext, StageResult
 
 VERSION = "1"
@@ -51,10 +54,11 @@ class Check(Strict):
 
 
 class Compile(Strict):
-    enabled: bool = False  # measured: kept only when a decode step gets faster
+    enabled: bool = False  # measured: kept only when a decode step gets faster beyond the noise (opus.choose)
     backend: str = "inductor"
     mode: str | None = None
     dynamic: bool | None = None
+    rounds: int = Field(DEFAULT_ROUNDS, ge=1)  # interleaved eager/compiled timing rounds
 
 
 class Config(Strict):
@@ -150,17 +154,25 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     after = _counts(fusion, model, count_ids, lm, cfg.measure_time)
     compiled = None
     if cfg.compile.enabled and lm:
-        ctx.progress(3, 4, "measuring torch.compile")
-        compiled = fusion.decide_compile(model, count_ids, cfg.compile.model_dump(exclude={"enabled"}))
+        settings = cfg.compile.model_dump(exclude={"enabled", "rounds"})
+        replay = source_artifact(ctx, "fusion.json")  # run.decisions_from: that run's compile choice
+        if replay is not None:
+            record = json.loads(replay.read_text()).get("compile")
+            compiled = fusion.replay_compile(model, record, settings, str(replay))
+        else:
+            ctx.progress(3, 4, "measuring torch.compile")
+            compiled = fusion.decide_compile(model, count_ids, settings, rounds=cfg.compile.rounds)
+        write_decisions(ctx, [compiled.choice] if compiled.choice else [])
     step = outcome.step(compiled.settings if compiled and compiled.kept else None)
     metrics: dict[str, Any] = {f"{k}_{when}": v for when, d in (("before", before), ("after", after))
                                for k, v in d.items() if k != "regions"}
     metrics.update(eq, sites_fused=len(outcome.sites), sites_skipped=len(outcome.skipped),
                    regions_ignored=len(outcome.ignored))
     if compiled is not None:
-        metrics.update(compile_kept=float(compiled.kept), decode_ms_eager=compiled.eager_ms)
-        if compiled.compiled_ms is not None:
-            metrics["decode_ms_compiled"] = compiled.compiled_ms
+        metrics["compile_kept"] = float(compiled.kept)
+        for key, value in (("decode_ms_eager", compiled.eager_ms), ("decode_ms_compiled", compiled.compiled_ms)):
+            if value is not None:  # a replayed choice times nothing
+                metrics[key] = value
     failures = _check(cfg.check, eq)
     metrics["fusion_check_passed"] = float(not failures)
     report = {
@@ -169,7 +181,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         "regions_traced": {"before": before["regions"], "after": after["regions"]},
         "equivalence": {**eq, "prompts": source, "shape": list(reference_shape(reference)),
                         "check": cfg.check.model_dump(), "failures": failures},
-        "compile": None if compiled is None else compiled.__dict__,
+        "compile": None if compiled is None else compiled.record(),
         "how": {"nodes": "fx call nodes summed over traced regions (getitem/getattr excluded)",
                 "ops": "aten ops seen by a TorchDispatchMode: one prefill of the first prompt + one decode step",
                 "dispatch_share": "ops per decode step x time of a 1-element add, over the decode step's "

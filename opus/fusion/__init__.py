@@ -9,11 +9,12 @@ Public surface::
     lm_reference / generic_reference / compare                      # equivalence before vs after
     lm_op_counts / region_nodes / decode_step_s / trivial_op_s      # the fusion report's counts
     decide_compile(model, input_ids, settings)                      # optional torch.compile, measured
+    replay_compile(model, record, settings, source)                 # or an earlier run's choice
     register_concat(cls) / register_stacker(cls)                    # quantized linears plug in here
 """
 
 from opus.fusion.capture import call_probe, lm_probe
-from opus.fusion.compiled import CompileDecision, decide_compile
+from opus.fusion.compiled import CompileDecision, decide_compile, replay_compile
 from opus.fusion.equivalence import Reference, compare, generic_reference, lm_reference
 from opus.fusion.linear_ops import StackedLinear, register_concat, register_stacker
 from opus.fusion.measure import decode_step_s, dispatch_share, lm_op_counts, region_nodes, trivial_op_s
@@ -41,6 +42,7 @@ __all__ = [
     "lm_probe",
     "lm_reference",
     "region_nodes",
+    "replay_compile",
     "register_concat",
     "register_stacker",
     "trivial_op_s",

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from opus.choose import wall_clock
 from opus.fusion.tracing import node_count, regions, try_trace
 from opus.kvcache import GrowingKVCache
 
@@ -62,17 +62,8 @@ def region_nodes(model: nn.Module) -> tuple[int, int]:
     return total, counted
 
 
-def _median_s(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    return statistics.median(wall_clock(fn) for _ in range(repeats))
 
 
 def trivial_op_s(device: torch.device) -> float:
@@ -80,12 +71,11 @@ def trivial_op_s(device: torch.device) -> float:
     with torch.inference_mode():
         for _ in range(20):
             torch.add(a, a)
-        return _median_s(lambda: [torch.add(a, a) for _ in range(100)], 7, device) / 100
+        return _median_s(lambda: [torch.add(a, a) for _ in range(100)], 7) / 100
 
 
 def decode_step_s(model: nn.Module, input_ids: torch.Tensor, steps: int = 8) -> float:
     """Median wall time of a decode step after a prefill of ``input_ids`` (growing cache)."""
-    device = input_ids.device
     cache = GrowingKVCache(getattr(getattr(model, "config", None), "num_layers", None))
     pos = input_ids.shape[1]
     tok = input_ids[:, -1:]
@@ -93,7 +83,7 @@ def decode_step_s(model: nn.Module, input_ids: torch.Tensor, steps: int = 8) -> 
     with torch.inference_mode():
         model(input_ids, cache=cache, start_pos=0, last_only=True)
         for i in range(steps + 2):
-            t = _median_s(lambda p=pos + i: model(tok, cache=cache, start_pos=p, last_only=True), 1, device)
+            t = wall_clock(lambda p=pos + i: model(tok, cache=cache, start_pos=p, last_only=True))
             if i >= 2:  # the first steps warm up allocator and caches
                 times.append(t)
     return statistics.median(times)

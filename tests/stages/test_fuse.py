@@ -44,6 +44,30 @@ def test_timing_fields_when_measured(pipeline, tmp_path):
         assert m[key] > 0, key  # values are machine-dependent: only their presence is asserted
 
 
+def test_compile_choice_is_a_recorded_decision_and_replays(pipeline, tmp_path):
+    cfg = fuse.Config(patterns=["qkv"], measure_time=False,
+                      compile={"enabled": True, "backend": "eager", "rounds": 3})  # eager: dynamo alone, quick
+    result = fuse.run(context(pipeline, tmp_path / "out", "fuse"), cfg)
+    (decision,) = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
+    assert {c["name"]: len(c["rounds"]) for c in decision["candidates"]} == {"eager": 3, "compiled": 3}
+    kept = decision["winner"] == "compiled"
+    assert decision["winner"] in decision["tied"] and result.metrics["compile_kept"] == float(kept)
+    record = json.loads((tmp_path / "out" / "artifacts" / "fusion.json").read_text())["compile"]
+    assert record["kept"] == kept and record["margin"] == decision["margin"]
+    # An earlier run that kept the compile: replayed as it was, nothing timed.
+    earlier = tmp_path / "earlier" / "artifacts" / "fuse"
+    earlier.mkdir(parents=True)
+    settings = {"backend": "eager", "mode": None, "dynamic": None}
+    (earlier / "fusion.json").write_text(json.dumps({"compile": {"kept": True, "settings": settings}}))
+    ctx = context(pipeline, tmp_path / "again", "fuse")
+    ctx.spec.run.decisions_from = str(tmp_path / "earlier")
+    again = fuse.run(ctx, cfg)
+    assert again.metrics["compile_kept"] == 1.0 and "decode_ms_eager" not in again.metrics
+    assert again.recipe[0]["compile"] == settings
+    (replayed,) = json.loads((tmp_path / "again" / "artifacts" / "decisions.json").read_text())["decisions"]
+    assert replayed["winner"] == "compiled" and replayed["replayed_from"] == str(earlier / "fusion.json")
+
+
 def test_failed_check_fails_loudly_or_reports(pipeline, tmp_path):
     strict = fuse.Config(measure_time=False, patterns=["qkv"], check={"min_cosine": 1.5})  # impossible on purpose
     with pytest.raises(RuntimeError, match="fusion_cosine .* < 1.5"):
