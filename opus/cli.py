@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="override any value for this run, e.g. stages.quantize.with.alpha=0.6")
     run.add_argument("--run-dir", type=Path, help="run directory (default: RUNS_DIR/<name>-<time>)")
     run.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    run.add_argument("--decisions-from", type=Path, metavar="RUN_DIR",
+                     help="replay the timing decisions of an earlier run (its plan, KV cache and compile "
+                          "choice) for exact reproduction; the same as --set run.decisions_from=RUN_DIR")
     run.add_argument("--quiet", action="store_true")
     resume = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
     resume.add_argument("run_dir", type=Path)
@@ -84,9 +87,14 @@ def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import json
+
     from opus.spec import load_pipeline
 
-    loaded = load_pipeline(args.pipeline, args.overrides)
+    overrides = list(args.overrides)
+    if args.decisions_from:  # absolute (a relative --set path is the pipeline file's), quoted as a YAML string
+        overrides.append(f"run.decisions_from={json.dumps(str(args.decisions_from.resolve()))}")
+    loaded = load_pipeline(args.pipeline, overrides)
     run_dir = args.run_dir or args.runs_dir / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return _execute(loaded, run_dir, args.quiet, args.commit)
 

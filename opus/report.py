@@ -1,7 +1,8 @@
 """A run's report: ``report.md`` (PNGs beside it in ``report/``) and a self-contained ``report.html``.
 
 Built from the run's small files only — summary.json, events.jsonl, run.json and the published
-artifacts (plan.yaml, profile.json, fusion.json) — so a run checked out from git reports the same.
+artifacts (plan.yaml, profile.json, fusion.json, decisions.json) — so a run checked out from git
+reports the same.
 A section whose input is absent says so instead of failing.
 """
 
@@ -18,10 +19,11 @@ import yaml
 
 from opus import plots
 from opus.atomic import read_json, write_bytes, write_text
+from opus.choose import DECISIONS_FILE
 from opus.errors import InputError
 from opus.events import EventLog
 from opus.noise import as_range, overlap, part_spreads, spread_key
-from opus.publish import REPORT_ASSETS, find_artifact, ratio_line
+from opus.publish import ARTIFACTS_DIR, REPORT_ASSETS, find_artifact, ratio_line
 
 Block = tuple  # ("h", text) | ("p", text) | ("table", headers, rows) | ("img", name, alt) | ("note", text)
 HEADLINE = (("throughput_tok_s", "P, tokens/s"), ("ttft_ms", "D, ms to first token"),
@@ -53,8 +55,12 @@ def _overview(run_dir: Path, summary: dict[str, Any], info: dict[str, Any]) -> l
             ["started", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created)) if created else "—"],
             ["host", info.get("host", "—")], ["resumed", str(max(0, len(info.get("starts", [])) - 1)) + " times"]]
     blocks: list[Block] = [("h", f"Opus run {summary.get('run_id', run_dir.name)}"), ("table", ["", ""], rows)]
+    for reason in summary.get("reasons") or []:
+        blocks.append(("note", f"{summary.get('status')}: {reason}"))
     if summary.get("error"):
         blocks.append(("note", f"error: {summary['error']}"))
+    for warning in summary.get("warnings") or []:
+        blocks.append(("note", f"warning: {warning}"))
     headline = _headline(summary)
     blocks.append(("h", "Result"))
     if headline:
@@ -194,6 +200,29 @@ def _fusion(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
     return blocks
 
 
+def _decisions(run_dir: Path, summary: dict[str, Any]) -> list[Block]:
+    """Every choice made from timings (opus.choose): candidates' medians, the noise margin, the winner, why."""
+    blocks: list[Block] = [("h", "Decisions from timings")]
+    order = [s["id"] for s in summary.get("stages", [])]
+    root = run_dir / ARTIFACTS_DIR
+    found = sorted(root.glob(f"*/{DECISIONS_FILE}") if root.is_dir() else [],
+                   key=lambda p: order.index(p.parent.name) if p.parent.name in order else len(order))
+    rows = []
+    for path in found:
+        for d in json.loads(path.read_text(encoding="utf-8")).get("decisions", []):
+            timed = sorted((c for c in d.get("candidates", []) if c.get("median") is not None),
+                           key=lambda c: c["median"])
+            medians = ", ".join(f"{c['name']} {_f(c['median'])}" for c in timed) or "—"
+            margin = "—" if d.get("replayed_from") else f"{d.get('margin', 0):.1%}"
+            rows.append([path.parent.name, d.get("what"), f"{medians} ({d.get('unit')})" if timed else medians,
+                         margin, d.get("winner"), d.get("reason", "")])
+    if not rows:
+        return blocks + [("note", "no stage of this run chose from timings (no decisions.json artifact)")]
+    return blocks + [("p", "medians of interleaved rounds; options within the noise margin of the fastest are "
+                           "tied, and the more accurate, then the simpler of them wins"),
+                     ("table", ["stage", "decision", "medians", "margin", "winner", "why"], rows)]
+
+
 def timeline_data(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Attempt segments and marks (rollbacks, reuses, discards, resumes) in seconds since the start."""
     if not events:
@@ -311,7 +340,8 @@ def build(run_dir: Path) -> tuple[list[Block], dict[str, bytes]]:
     info = read_json(run_dir / "run.json") if (run_dir / "run.json").is_file() else {}
     images: dict[str, bytes] = {}
     blocks = (_overview(run_dir, summary, info) + _stages(summary, images) + _precision(run_dir, images)
-              + _profile(run_dir, images) + _fusion(run_dir, images) + _timeline(run_dir, summary, images))
+              + _profile(run_dir, images) + _fusion(run_dir, images) + _decisions(run_dir, summary)
+              + _timeline(run_dir, summary, images))
     return blocks, images
 
 

@@ -26,12 +26,18 @@ PROFILE = {"groups": {"experts": {"share": 0.6, "prefill_ms": 3.0}, "attention":
            "modules": [{"name": "model.layers.0.mlp.experts.0", "role": "experts", "share": 0.2},
                        {"name": "model.layers.0.self_attn", "role": "attention", "share": 0.15}]}
 FUSION = {"counts": {"rmsnorm": 4, "swiglu": 2}, "ignored": [{"name": "lm_head", "reason": "not traceable"}]}
+DECISIONS = {"version": 1, "decisions": [
+    {"what": "end-to-end check", "unit": "ms", "margin": 0.03, "tied": ["uniform w8a8", "plan"], "winner": "plan",
+     "reason": "within the 3.0% noise margin of the fastest (uniform w8a8) and more accurate",
+     "candidates": [{"name": "plan", "median": 120.0, "rounds": [120.0, 119.0, 121.0], "error": 0.001},
+                    {"name": "uniform w8a8", "median": 118.0, "rounds": [118.0, 117.0, 122.0], "error": 0.004}]}]}
 PLOTS = ("waterfall", "precision", "hotspots", "fusion", "timeline")
 
 
 def _full_run(tmp_path: Path) -> Path:
     return fake_run(tmp_path / "r1", rollback=True, artifacts={
-        "quant": {"plan.yaml": yaml.safe_dump(PLAN), "fusion.json": FUSION}, "base": {"profile.json": PROFILE}})
+        "quant": {"plan.yaml": yaml.safe_dump(PLAN), "fusion.json": FUSION, "decisions.json": DECISIONS},
+        "base": {"profile.json": PROFILE}})
 
 
 def test_report_has_every_section_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -48,6 +54,8 @@ def test_report_has_every_section_and_plot(tmp_path: Path, capsys: pytest.Captur
     assert "| lm_head | not traceable |" in md
     assert "perplexity max_ratio 1.05: measured 1.3" in md and '{"protect": {"from": 0, "to": 2}}' in md
     assert "| eval | perplexity | max_ratio | 1.05 | 10.2 | 10 | pass |" in md
+    assert ("| quant | end-to-end check | uniform w8a8 118, plan 120 (ms) | 3.0% | plan | within the 3.0% noise "
+            "margin of the fastest (uniform w8a8) and more accurate |") in md
     html = (run_dir / "report.html").read_text()
     for name in PLOTS:
         assert re.search(rf'<figure id="{name}"><img alt="[^"]+" src="data:image/png;base64,[A-Za-z0-9+/=]{{200,}}"',
@@ -61,6 +69,7 @@ def test_missing_artifacts_are_notes_not_failures(tmp_path: Path) -> None:
     assert main(["report", str(run_dir)]) == 0
     md = (run_dir / "report.md").read_text()
     assert "no precision plan in this run" in md and "no profile in this run" in md and "no fusion" in md
+    assert "no stage of this run chose from timings" in md
     assert "(report/waterfall.png)" in md and not (run_dir / "report" / "precision.png").exists()
     assert "no rollback" in md
 

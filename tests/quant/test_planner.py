@@ -45,6 +45,32 @@ def test_slower_format_is_never_chosen_and_is_explained() -> None:
     assert doc["groups"][1]["time_ms"] == {"fp32": 1.0, "w4a16": 1.5}
 
 
+def test_a_format_within_the_noise_of_a_more_accurate_one_is_chosen_only_where_that_one_does_not_fit() -> None:
+    from torch import nn
+
+    from opus.quant.groups import QGroup
+    from opus.quant.planning import _group_choice
+
+    def choice(w4_ms: float, kind: str) -> GroupChoice:  # steady timings: the margin is the 2% floor
+        samples = {"fp32": [10.0] * 3, "w8a16": [5.0] * 3, "w4a16": [w4_ms] * 3}
+        scores = {"w8a16": {"dce": 0.001}, "w4a16": {"dce": 0.01}}
+        group = QGroup("g", ["g"])
+        return _group_choice(group, [nn.Linear(64, 64)], None, samples, scores, kind)[0]
+
+    def planned(group: GroupChoice, kind: str, limit: float) -> str:
+        return solve([group], limit)[group.name].fmt
+
+    tied = choice(4.95, "ppl")  # 1% faster than w8a16 but 10x the Δce: no credible gain
+    assert planned(tied, "ppl", 1.0) == "w8a16"
+    doc = plan_document([tied], {"g": tied.candidates[1]}, {"kind": "ppl", "value": 1.0}, 1.0)
+    assert doc["groups"][0]["time_ms"]["w4a16"] == 4.95 and doc["groups"][0]["margin"] == 0.02
+    assert "within the 2.0% noise margin, so no faster: w4a16" in doc["groups"][0]["reason"]
+    assert planned(choice(4.0, "ppl"), "ppl", 1.0) == "w4a16"  # 20% faster: beyond the noise
+    # Under a memory budget that w8a16 does not fit, the tie's loser is still faster than float.
+    w4_bytes = 64 * 64 * 4.25 / 8
+    assert planned(choice(4.95, "memory"), "memory", w4_bytes + 1) == "w4a16"
+
+
 def test_budget_units() -> None:
     assert budget_limit("ppl", 0.02, 10) == pytest.approx(math.log(1.02))
     assert budget_limit("bits", 8.0, 10) == 80.0
