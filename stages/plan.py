@@ -56,8 +56,9 @@ class Config(BaseModel):
     percentile: float = Field(99.9, gt=50, le=100)
     group_size: int = Field(128, gt=0)
     end_to_end_check: bool = Field(True, description="time the plan and every uniform format within the budget on "
-                           "the whole model and keep the fastest (holds another float copy of the model "
-                           "and one quantized copy per contender while timing)")
+                           "the whole model and keep the fastest, a tie within the noise going to the more "
+                           "accurate (holds another float copy of the model and one quantized copy per "
+                           "contender while timing)")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
                         "(kernel timing, end-to-end check); their spread sets the noise margin (opus.choose)")
