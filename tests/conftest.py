@@ -1,7 +1,13 @@
+from __future__ import annotations
+
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.pty_helpers import SmokeRun
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -24,3 +30,12 @@ def one_thread():
 @pytest.fixture
 def repo_root() -> Path:
     return REPO
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> SmokeRun:
+    """smoke.yaml run once per session under a pseudo-terminal: the suite's most expensive step,
+    shared by test_pipelines (what the run produced) and test_terminal (what the terminal showed)."""
+    from tests.pty_helpers import run_smoke
+
+    return run_smoke(tmp_path_factory.mktemp("smoke") / "smoke")

@@ -11,7 +11,8 @@ import yaml
 from opus.graph import validate
 from opus.registry import known_stage_types
 from opus.spec import load_pipeline
-from tests.helpers import run_cli, statuses, summary
+from tests.helpers import run_cli, statuses
+from tests.pty_helpers import SmokeRun
 
 PIPELINES = Path(__file__).resolve().parent.parent / "pipelines"
 
@@ -28,11 +29,12 @@ def test_smoke_covers_every_stage_type() -> None:
     assert used == set(known_stage_types())
 
 
-def test_smoke_runs_end_to_end_then_reuses_everything(tmp_path: Path) -> None:
-    run_dir = tmp_path / "smoke"
-    assert run_cli("run", PIPELINES / "smoke.yaml", "--run-dir", run_dir) == 0
-    result = summary(run_dir)
-    assert result["status"] == "finished"
+def test_smoke_runs_end_to_end_then_reuses_everything(smoke_run: SmokeRun) -> None:
+    # The session's smoke run (conftest), under a terminal as a person would start it.
+    run_dir = smoke_run.run_dir
+    assert smoke_run.result.returncode == 0, smoke_run.result.tail()
+    result = smoke_run.summary
+    assert result is not None and result["status"] == "finished"
     for key in ("throughput_tok_s", "ttft_ms", "perplexity", "peak_mem_mb"):
         assert result["baseline"][key] > 0 and result["final"][key] > 0
     assert 0 <= result["final"]["agreement"] <= 1
