@@ -1,4 +1,4 @@
-"""``opus`` command line. Exit codes: 0 finished, 2 invalid input, 3 run failed or aborted, 130 stopped."""
+"""``opus`` command line. Exit codes: 0 finished, 2 invalid input, 3 failed, 4 degraded, 130 stopped."""
 
 from __future__ import annotations
 
@@ -9,9 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opus.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED, InputError, OpusError
+from opus.errors import (
+    EXIT_DEGRADED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_RUN_FAILED,
+    OpusError,
+)
 
-STATUS_EXIT = {"finished": EXIT_OK, "aborted": EXIT_RUN_FAILED, "interrupted": EXIT_INTERRUPTED}
+STATUS_EXIT = {"finished": EXIT_OK, "degraded": EXIT_DEGRADED, "failed": EXIT_RUN_FAILED,
+               "interrupted": EXIT_INTERRUPTED}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     for command in (run, resume):
         command.add_argument("--commit", action="store_true",
                              help="commit the run's small files to git when it ends (as run.track: git)")
+    verify = sub.add_parser("verify", help="check every checkpoint and the lineage; say what a resume would redo")
+    verify.add_argument("run_dir", type=Path)
     status = sub.add_parser("status", help="where a run stands, with the running stage's progress")
     status.add_argument("run_dir", type=Path, nargs="?", help="default: the latest run in --runs-dir")
     status.add_argument("--runs-dir", type=Path, default=Path("runs"))
@@ -75,8 +84,12 @@ def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
     from opus.console import headline
 
     print(f"{summary['status']}: {run_dir / 'summary.json'}")
-    if summary.get("error"):
+    for reason in summary.get("reasons") or []:
+        print(f"  why       {reason}")
+    if summary.get("error") and summary["error"] not in " ".join(summary.get("reasons") or []):
         print(f"  {summary['error']}")
+    for warning in summary.get("warnings") or []:
+        print(f"  warning   {warning}")
     if summary["baseline"]:
         print(f"  baseline  {headline(summary['baseline'])}")
     if summary["final_stage"]:
@@ -100,27 +113,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from opus.atomic import read_json
-    from opus.runner import PIPELINE_FILE, RUN_FILE
-    from opus.spec import load_pipeline
+    from opus.runner import load_run
 
-    run_file = args.run_dir / RUN_FILE
-    if not run_file.is_file():
-        raise InputError("not a run directory (no run.json)", file=str(args.run_dir))
-    try:
-        info = read_json(run_file)
-    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8 (a torn write)
-        raise InputError(f"damaged run file, cannot resume: {exc}", file=str(run_file)) from None
-    if not isinstance(info, dict):
-        raise InputError(f"damaged run file, cannot resume: a JSON object expected, got {type(info).__name__}",
-                         file=str(run_file))
-    # The runner reads both when it resumes: base_dir (the pipeline's directory) and starts.
-    base_dir = info.get("base_dir")
-    if not isinstance(base_dir, str) or not base_dir or not isinstance(info.get("starts"), list):
-        missing = "base_dir" if not isinstance(base_dir, str) or not base_dir else "starts"
-        raise InputError(f"damaged run file, cannot resume: no valid '{missing}'", file=str(run_file))
-    loaded = load_pipeline(args.run_dir / PIPELINE_FILE, base_dir=Path(base_dir))
-    return _execute(loaded, args.run_dir, args.quiet, args.commit)
+    return _execute(load_run(args.run_dir), args.run_dir, args.quiet, args.commit)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from opus.verify import print_verification
+
+    return print_verification(args.run_dir)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {"run": cmd_run, "resume": cmd_resume, "status": inspect_runs.cmd_status,
                 "runs": inspect_runs.cmd_runs, "doctor": doctor.cmd_doctor, "stages": cmd_stages,
-                "check": cmd_check, **history_cli.COMMANDS, **bench_cli.COMMANDS}
+                "check": cmd_check, "verify": cmd_verify, **history_cli.COMMANDS, **bench_cli.COMMANDS}
     try:
         return commands[args.command](args)
     except OpusError as exc:

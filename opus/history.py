@@ -70,8 +70,11 @@ def commit_message(summary: dict[str, Any], run_info: dict[str, Any], rel_dir: s
     """Subject with the headline ratios; body with baseline, final and rollbacks."""
     name = run_info.get("name") or "pipeline"
     ratios = ratio_line(summary.get("ratios") or {}) or "no ratios vs baseline"
-    lines = [f"opus: {name} {summary.get('status', '?')} — {ratios}", "",
-             f"run: {rel_dir}", f"final stage: {summary.get('final_stage') or 'none'}"]
+    lines = [f"opus: {name} {summary.get('status', '?')} — {ratios}", ""]
+    # What a reader must not miss comes first: why the run is not simply finished, and warnings.
+    lines += [f"why: {reason}" for reason in summary.get("reasons") or []]
+    lines += [f"warning: {warning}" for warning in summary.get("warnings") or []]
+    lines += [f"run: {rel_dir}", f"final stage: {summary.get('final_stage') or 'none'}"]
     if summary.get("baseline"):
         lines.append(f"baseline: {headline(summary['baseline'])}")
     if summary.get("final"):
