@@ -131,11 +131,18 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
 
 def _replayed(path: Any, batches: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Per batch size, the one cache the earlier run's kv_config.json chose there."""
+    from opus.errors import InputError
     from opus.kvcache import cache_for_batch
 
     report = json.loads(path.read_text())
-    winners = report.get("winners") or {}
-    return {b: [winners.get(str(b)) or cache_for_batch(report["chosen"], b)] for b in batches}
+    winners, chosen = report.get("winners") or {}, report.get("chosen")
+    out = {}
+    for batch in batches:  # a batch size the earlier run did not measure: what its recipe ran there
+        cache = winners.get(str(batch)) or (cache_for_batch(chosen, batch) if chosen else None)
+        if cache is None:
+            raise InputError(f"run.decisions_from: no KV cache chosen for batch {batch} to replay", file=str(path))
+        out[batch] = [cache]
+    return out
 
 
 def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
