@@ -117,6 +117,9 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
                                                          rounds=request.rounds)
         notes.extend(more)
         decisions += [checked] if checked else []
+    for choice, decision in zip(choices, decisions):  # the pick alone is not the plan: budget, rules, check
+        if chosen[choice.name].fmt != decision.winner:
+            decision.reason += f"; the plan has {chosen[choice.name].fmt} (its reason is in plan.yaml)"
     budget = {"kind": request.budget_kind, "value": request.budget_value, "safety": request.safety}
     doc = plan_document(choices, chosen, budget, limit)
     if report:

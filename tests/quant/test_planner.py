@@ -144,6 +144,9 @@ def test_make_plan_on_a_tiny_moe(tmp_path) -> None:  # noqa: ANN001
     # Every group's kernel timing is a decision of the shared rule: interleaved rounds and a margin.
     assert sorted(d.what for d in decisions) == sorted(f"kernel formats: {name}" for name in groups)
     assert all(len(v) == request.rounds for d in decisions for v in d.samples.values())
+    for d in decisions:  # where budget or rules overrule the group's own pick, its record says so
+        fmt = groups[d.what.removeprefix("kernel formats: ")]["format"]
+        assert d.winner == fmt or f"the plan has {fmt}" in d.reason
     assert all(g["margin"] >= 0.02 for g in doc["groups"])
     assert groups["model.layers.0.mlp.gate"]["format"] == "fp32"
     assert groups["lm_head"]["format"] == "w8a16" and groups["lm_head"]["reason"] == "forced to w8a16 by a rule"
