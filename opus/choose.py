@@ -47,13 +47,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def now() -> float:
+    """``time.perf_counter()`` once queued CUDA work is done: a time stamp that work has reached."""
+    _sync()
+    return time.perf_counter()
+
+
 def wall_clock(call: Callable[[], Any]) -> float:
     """Seconds one call takes; queued CUDA work is waited for on both sides."""
-    _sync()
-    start = time.perf_counter()
+    start = now()
     call()
-    _sync()
-    return time.perf_counter() - start
+    return now() - start
 
 
 def reported(call: Callable[[], Any]) -> float:

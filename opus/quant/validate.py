@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
+from opus.choose import DEFAULT_ROUNDS, Decision, Option, decide, now, reported
 from opus.engine import generate
 from opus.kvcache import cache_factory
 from opus.quant.apply import quantize_model
@@ -87,9 +87,12 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
         if progress:
             progress(index + 1, len(contenders), f"end-to-end check: built {name}")
 
-        def run() -> float:  # the engine's own timings: batch ms of the workload
-            result = generate(model, prompts, steps + 1, cache_factory(model))
-            prefill, decode = result.ttft_s * 1e3, result.decode_s * 1e3 / steps
+        def run() -> float:  # batch ms of the workload, from the engine's prefill and the median step
+            stamps: list[float] = []
+            result = generate(model, prompts, steps + 1, cache_factory(model), on_step=lambda _: stamps.append(now()))
+            # the median decode step, not their mean: a step caught by another process is not counted
+            decode = statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
+            prefill = result.ttft_s * 1e3
             seen.setdefault(name, []).append((prefill, decode))
             return prefill + (workload.output_len - 1) * decode
 
