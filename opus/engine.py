@@ -12,6 +12,7 @@ remaining ``max_new_tokens - 1`` steps.
 from __future__ import annotations
 
 import inspect
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,6 +165,26 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
         end = time.perf_counter()
     return GenerationResult(tokens=tokens, prompt_len=prompt_len, ttft_s=first - start, decode_s=end - first,
                             total_s=end - start, logits=torch.stack(kept, dim=1) if return_logits else None)
+
+
+def timed_generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
+                   cache_factory: CacheFactory | None = None,
+                   on_step: Callable[[int], None] | None = None) -> tuple[GenerationResult, float, float]:
+    """``generate`` plus a robust timing for choices (opus.choose): ``(result, prefill_s, step_s)``
+    with ``step_s`` the median decode step (NaN for one token), so that a step caught by another
+    process is not counted. Each step is waited for on CUDA, so time stamps mean finished work."""
+    device = model_device(model)
+    stamps: list[float] = []
+
+    def stamp(index: int) -> None:
+        sync(device)
+        stamps.append(time.perf_counter())
+        if on_step:
+            on_step(index)
+
+    result = generate(model, prompt_ids, max_new_tokens, cache_factory, on_step=stamp)
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return result, result.ttft_s, statistics.median(steps) if steps else float("nan")
 
 
 def full_logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Candidates — the pooled preallocated cache (``prealloc`` × ``step``), the gro
 static cache whose decode steps run as one compiled graph (``opus.static_cache``; Opus decoders
 only) — run the pipeline's workload (or the ``input_len``/``output_len`` given here) at each batch
 size that fits the memory budget (default: 1 and the workload's), in interleaved rounds
-(``repeats``). At each batch size the shared rule of ``opus.choose`` picks: the fastest, unless
+(``repeats``), each round timed as the prefill plus the median decode step for every step. At each batch size the shared rule of ``opus.choose`` picks: the fastest, unless
 others are within the noise margin of it; then the simpler wins (growing, then pooled, then
 static); ``decisions.json`` keeps the rounds, margin and reason. Where the winners differ (a
 compiled static step wins at batch 1, where per-op dispatch bounds a step, and a pooled cache at
@@ -102,7 +102,7 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
     from contextlib import nullcontext
 
     from opus.choose import Option, decide, reported
-    from opus.engine import generate, model_device
+    from opus.engine import model_device, timed_generate
     from opus.kvcache import cache_factory
     from opus.metrics import PeakMemory, memory_figures, throughput_figures
 
@@ -112,13 +112,15 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
         label, factory = _label(row["cache"]), cache_factory(model, row["cache"])
         seen = runs.setdefault(label, [])  # warm-up runs first
 
-        def run() -> float:
+        def run() -> float:  # batch seconds: the prefill, and the median step for every step
             memory = PeakMemory(model_device(model)) if len(seen) == warmup else None
             with memory or nullcontext():
-                seen.append(generate(model, prompts, output_len, factory, on_step=lambda _: progress.advance(1, "P")))
+                result, prefill, step = timed_generate(model, prompts, output_len, factory,
+                                                       on_step=lambda _: progress.advance(1, "P"))
+            seen.append(result)
             if memory is not None:
                 row.update(memory_figures(memory))
-            return seen[-1].total_s
+            return prefill + (output_len - 1) * step if output_len > 1 else prefill
 
         return Option(label, run, simplicity=SIMPLICITY.get(row["cache"]["kind"], len(SIMPLICITY)))
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
-from opus.engine import EngineError, Sampling, full_logits, generate, select_next, supports_cache
+from opus.engine import EngineError, Sampling, full_logits, generate, select_next, supports_cache, timed_generate
 from opus.models import DecoderLM, config_from_hf
 
 VOCAB = 89
@@ -98,6 +100,14 @@ def test_on_step_sees_every_token(model) -> None:
     seen: list[int] = []
     generate(model, prompts(batch=1), 4, on_step=seen.append)
     assert seen == [0, 1, 2, 3]
+
+
+def test_timed_generate_gives_the_prefill_and_the_median_step(model) -> None:
+    seen: list[int] = []
+    result, prefill, step = timed_generate(model, prompts(batch=2), 4, on_step=seen.append)
+    assert torch.equal(result.tokens, generate(model, prompts(batch=2), 4).tokens) and seen == [0, 1, 2, 3]
+    assert prefill == result.ttft_s and 0 < step <= result.decode_s  # the median of three steps
+    assert math.isnan(timed_generate(model, prompts(batch=1), 1)[2])  # one token: no decode step
 
 
 def test_bad_inputs_and_foreign_models_are_refused(model) -> None:

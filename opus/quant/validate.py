@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.choose import DEFAULT_ROUNDS, Decision, Option, decide, now, reported
-from opus.engine import generate
+from opus.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
+from opus.engine import timed_generate
 from opus.kvcache import cache_factory
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
@@ -75,8 +75,9 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
                        choices: list[GroupChoice], stats: ActivationStats, group_size: int, workload: Any,
                        blocks: torch.Tensor, *, decode_steps: int = 16, rounds: int = DEFAULT_ROUNDS,
                        progress: Progress | None = None) -> tuple[dict[str, dict[str, float]], Decision]:
-    """Per contender: prefill ms, decode ms per step and the workload's batch ms (prefill plus
-    ``output_len - 1`` decode steps), medians over ``rounds`` interleaved rounds; and the decision."""
+    """Per contender: prefill ms, decode ms per step (each round's median step) and the workload's
+    batch ms (prefill plus ``output_len - 1`` decode steps), medians over ``rounds`` interleaved
+    rounds; and the decision."""
     prompts = workload_prompts(blocks, workload.batch_size, workload.input_len)
     steps = max(1, min(decode_steps, workload.output_len - 1))
     seen: dict[str, list[tuple[float, float]]] = {}
@@ -87,14 +88,10 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
         if progress:
             progress(index + 1, len(contenders), f"end-to-end check: built {name}")
 
-        def run() -> float:  # batch ms of the workload, from the engine's prefill and the median step
-            stamps: list[float] = []
-            result = generate(model, prompts, steps + 1, cache_factory(model), on_step=lambda _: stamps.append(now()))
-            # the median decode step, not their mean: a step caught by another process is not counted
-            decode = statistics.median(b - a for a, b in zip(stamps, stamps[1:])) * 1e3
-            prefill = result.ttft_s * 1e3
-            seen.setdefault(name, []).append((prefill, decode))
-            return prefill + (workload.output_len - 1) * decode
+        def run() -> float:  # batch ms of the workload: the prefill, and the median step for every step
+            _, prefill, step = timed_generate(model, prompts, steps + 1, cache_factory(model))
+            seen.setdefault(name, []).append((prefill * 1e3, step * 1e3))
+            return (prefill + (workload.output_len - 1) * step) * 1e3
 
         return Option(name, run, error=_error(chosen), simplicity=int(name == PLAN))
 
