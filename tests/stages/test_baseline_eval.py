@@ -48,17 +48,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 @pytest.fixture(scope="module")
 def project(tmp_path_factory) -> Path:
     """A pipeline directory: a tiny random Mixtral saved by transformers, its tokenizer and some text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import MixtralConfig, MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.helpers import save_word_tokenizer
 
     root = tmp_path_factory.mktemp("project")
-    vocab = {"[UNK]": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="[UNK]").save_pretrained(
-        root / "model")
+    vocab_size = save_word_tokenizer(root / "model", WORDS)
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    config = MixtralConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                            num_experts_per_tok=2, max_position_embeddings=128)
     MixtralForCausalLM(config).save_pretrained(root / "model")
