@@ -4,12 +4,13 @@ Candidates — the pooled preallocated cache (``prealloc`` × ``step``), the gro
 static cache whose decode steps run as one compiled graph (``opus.static_cache``; Opus decoders
 only) — run the pipeline's workload (or the ``input_len``/``output_len`` given here) at each batch
 size that fits the memory budget (default: 1 and the workload's), in interleaved rounds
-(``repeats``), each round timed as the prefill plus the median decode step for every step. At each batch size the shared rule of ``opus.choose`` picks: the fastest, unless
-others are within the noise margin of it; then the simpler wins (growing, then pooled, then
-static); ``decisions.json`` keeps the rounds, margin and reason. Where the winners differ (a
-compiled static step wins at batch 1, where per-op dispatch bounds a step, and a pooled cache at
-batch 32), the recipe gets a ``by_batch`` cache that picks by the request's batch size. With
-``run.decisions_from`` the caches of that run are measured and kept instead. The choice is written into the recipe as
+(``repeats``), each round timed as the prefill plus the median decode step for every step. At each
+batch size the shared rule of ``opus.choose`` picks: the fastest, unless others are within the
+noise margin of it; then the simpler wins (growing, then pooled, then static); ``decisions.json``
+keeps the rounds, margin and reason. Where the winners differ (a compiled static step wins at batch
+1, where per-op dispatch bounds a step, and a pooled cache at batch 32), the recipe gets a
+``by_batch`` cache that picks by the request's batch size. With ``run.decisions_from`` the caches
+of that run are measured and kept instead. The choice is written into the recipe as
 ``{"kind": "kv_cache", "cache": {...}}``, which baseline/eval and the engine read to build their
 cache. The step changes no tensor.
 
