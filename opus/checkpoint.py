@@ -51,7 +51,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def write_checkpoint(out_dir: Path, *, key: str, stage_id: str, uses: str, state: dict[str, Any],
                      result: dict[str, Any], tensors: dict[str, Any] | None = None,
-                     inherit_tensors_from: Path | None = None, reserve_mb: int = 0) -> None:
+                     inherit_tensors_from: Path | None = None, reserve_mb: int = 0,
+                     key_parts: dict[str, str] | None = None) -> None:
     """Fill ``out_dir`` with state, tensors, result and artifacts; fsync; then write the manifest.
 
     ``tensors`` are new tensors to save; ``inherit_tensors_from`` is the incoming checkpoint whose
@@ -76,7 +77,7 @@ def write_checkpoint(out_dir: Path, *, key: str, stage_id: str, uses: str, state
     for path in files:
         fsync_file(path)
     manifest = {
-        "key": key, "stage": stage_id, "uses": uses, "created": time.time(),
+        "key": key, "key_parts": key_parts or {}, "stage": stage_id, "uses": uses, "created": time.time(),
         "files": {str(p.relative_to(out_dir)): sha256_file(p) for p in files},
     }
     write_json(out_dir / MANIFEST, manifest)

@@ -30,6 +30,8 @@ from opus.checkpoint import (
     find_checkpoint,
     move_aside,
     new_temp_dir,
+    read_manifest,
+    read_manifest_key,
     read_result,
     write_checkpoint,
 )
@@ -38,7 +40,7 @@ from opus.errors import InputError, RunFailed
 from opus.events import EventLog
 from opus.gates import check_gate, first_failure, verified
 from opus.graph import ancestors, execution_order, validate
-from opus.keys import run_context_fingerprint, stage_key
+from opus.keys import changed_parts, key_parts, run_context_fingerprint, stage_key
 from opus.lock import RunLock
 from opus.spec import LoadedPipeline, load_pipeline
 from opus.state import read_state
@@ -77,6 +79,7 @@ class Runner:
         self.display = display
         self.records: dict[str, StageRecord] = {}
         self.rollbacks: list[dict[str, Any]] = []
+        self.key_parts: dict[str, dict[str, str]] = {}
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -137,14 +140,14 @@ class Runner:
             if rebuilt:
                 plan.append({"stage": stage_id, "action": "recompute", "why": f"its input '{rebuilt[0]}' is rebuilt"})
                 continue
-            key = stage_key(stage, stage_type, cfg, {n: digests[n] for n in stage.needs}, self.context)
+            parts = key_parts(stage, stage_type, cfg, {n: digests[n] for n in stage.needs}, self.context)
+            key = stage_key(parts)
             path, problem = find_checkpoint(self.stages_dir, stage_id, key)
             entry = {"stage": stage_id, "action": "recompute", "checkpoint": path.name if path else None}
             if problem:
                 entry["why"] = f"damaged: {problem}"
             elif path is None:
-                entry["why"] = ("no checkpoint under the current key "
-                                "(not run yet, or its definition, inputs or code changed)")
+                entry["why"] = self._why_no_checkpoint(stage_id, parts)
             else:
                 failure = read_result(path).get("failure") or {}
                 if failure.get("kind") in TRANSIENT_FAILURES:
@@ -154,6 +157,13 @@ class Runner:
                     digests[stage_id] = content_digest(path)
             plan.append(entry)
         return plan
+
+    def _why_no_checkpoint(self, stage_id: str, parts: dict[str, str]) -> str:
+        for path in sorted(self.stages_dir.glob(f"[0-9][0-9]-{stage_id}")):
+            old = (read_manifest(path).get("key_parts") if read_manifest_key(path) else None) or {}
+            if old:
+                return f"its checkpoint {path.name} was made with another {', '.join(changed_parts(old, parts))}"
+        return "no checkpoint yet"
 
     def _role(self, stage_id: str) -> str:
         stage_type, cfg = self.types[stage_id]
@@ -165,7 +175,8 @@ class Runner:
         stage_type, cfg = self.types[stage_id]
         # Content-addressed lineage: a rebuilt input with other content gives this stage a new key.
         input_digests = {n: content_digest(Path(self.records[n].dir)) for n in stage.needs}
-        key = stage_key(stage, stage_type, cfg, input_digests, self.context)
+        self.key_parts[stage_id] = key_parts(stage, stage_type, cfg, input_digests, self.context)
+        key = stage_key(self.key_parts[stage_id])
         index = self.graph.nodes[stage_id]["index"]
         final = self.stages_dir / f"{index:02d}-{stage_id}"
         if self._reuse(stage_id, key):
@@ -210,7 +221,8 @@ class Runner:
                      "dir": r.dir, "baseline": r.baseline}
                     for n in ancestors(self.graph, stage_id) if (r := self.records[n]).dir]
         return {"run_dir": str(self.run_dir), "stage_id": stage_id, "uses": self.spec.stage(stage_id).uses,
-                "key": key, "config": cfg.model_dump(mode="json"), "attempt": attempt, "remedy": remedy,
+                "key": key, "key_parts": self.key_parts[stage_id], "config": cfg.model_dump(mode="json"),
+                "attempt": attempt, "remedy": remedy,
                 "incoming": str(incoming) if incoming else None, "upstream": upstream,
                 "out_dir": str(out_dir), "pipeline": str(self.run_dir / PIPELINE_FILE),
                 "base_dir": str(self.loaded.base_dir)}
@@ -345,8 +357,8 @@ class Runner:
         out_dir = new_temp_dir(final)
         result = {"status": "rolled_back", "metrics": {}, "baseline": False, "attempt": attempt,
                   "failure": failure}
-        write_checkpoint(out_dir, key=key, stage_id=stage_id, uses=self.spec.stage(stage_id).uses,
-                         state=read_state(restored, self.spec), result=result,
+        write_checkpoint(out_dir, key=key, key_parts=self.key_parts[stage_id], stage_id=stage_id,
+                         uses=self.spec.stage(stage_id).uses, state=read_state(restored, self.spec), result=result,
                          inherit_tensors_from=restored, reserve_mb=self.spec.run.min_free_disk_mb)
         commit(out_dir, final)
         self._record(stage_id, key, "rolled_back", final, result, None, attempt, None, failure["reason"])

@@ -67,7 +67,8 @@ def _finish(ctx: StageContext, job: dict[str, Any], result: StageResult, started
         "info": result.info, "attempt": job["attempt"], "config": job["config"],
         "remedy": job.get("remedy"), "duration_s": round(time.monotonic() - started, 3),
     }
-    common = dict(key=job["key"], stage_id=job["stage_id"], uses=job["uses"], result=record,
+    common = dict(key=job["key"], key_parts=job.get("key_parts"), stage_id=job["stage_id"], uses=job["uses"],
+                  result=record,
                   reserve_mb=ctx.spec.run.min_free_disk_mb)
     if result.model is None:
         state = read_state(incoming, ctx.spec)

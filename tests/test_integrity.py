@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.helpers import MEASURE, SCALE, events, pipeline, run_cli, statuses, summary, write_pipeline
 
@@ -64,6 +65,22 @@ def test_verify_says_what_a_resume_would_redo(tmp_path: Path, capsys: pytest.Cap
     assert "first                recompute  damaged: tensors.safetensors does not match its sha256" in out
     assert "second               recompute  its input 'first' is rebuilt" in out
     assert sorted(p.name for p in (run_dir / "stages").iterdir()) == before  # read-only
+
+
+def test_verify_names_what_changed_in_a_key(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    stages = [BASE, {"id": "first", "uses": SCALE, "needs": ["base"]},
+              {"id": "second", "uses": SCALE, "needs": ["first"]}]
+    run_dir = tmp_path / "run"
+    assert run_cli("run", _pipeline(tmp_path, stages), "--run-dir", run_dir) == 0
+    as_run = run_dir / "pipeline.yaml"  # what resume and verify read
+    spec = yaml.safe_load(as_run.read_text())
+    spec["stages"][2]["with"] = {"factor": 4.0}
+    as_run.write_text(yaml.safe_dump(spec, sort_keys=False))
+    capsys.readouterr()
+    assert run_cli("verify", run_dir) == 3
+    out = capsys.readouterr().out
+    assert "second               recompute  its checkpoint 02-second was made with another definition" in out
+    assert "first                reuse" in out
 
 
 def test_transient_rollback_is_retried_on_resume_and_its_record_kept(tmp_path: Path) -> None:
