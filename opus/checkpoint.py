@@ -5,6 +5,7 @@ A directory without a ``manifest.json`` whose sha256 sums all verify is not a ch
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -25,6 +26,14 @@ BOOKKEEPING = {RESULT, JOB}
 
 class DiskSpaceError(OSError):
     """Not enough free disk to write a checkpoint; nothing already committed is touched."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """True for every way a full disk shows: ours, the OS's, or a library's wrapper of the OS error."""
+    if isinstance(exc, DiskSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return True
+    # safetensors raises its own SafetensorError and keeps only the OS error's text.
+    return "No space left on device" in str(exc) or "os error 28" in str(exc)
 
 
 def check_free_disk(where: Path, needed_bytes: int, reserve_mb: int) -> None:

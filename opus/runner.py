@@ -28,6 +28,7 @@ from opus.checkpoint import (
     drop_tensors,
     estimate_checkpoint_bytes,
     find_checkpoint,
+    is_disk_full,
     move_aside,
     new_temp_dir,
     read_manifest,
@@ -51,6 +52,7 @@ from opus.verdict import KEPT, TRANSIENT_FAILURES, run_status
 RUN_FILE = "run.json"
 PIPELINE_FILE = "pipeline.yaml"
 SUMMARY_FILE = "summary.json"
+DISK_FULL = "the disk is full; committed checkpoints are intact: free disk space, then `opus resume`"
 
 
 @dataclass
@@ -96,6 +98,10 @@ class Runner:
                 stopped, error = "interrupted", "stopped by the user; `opus resume` continues"
             except RunFailed as exc:
                 stopped, error = "failed", str(exc)
+            except OSError as exc:  # the runner's own writes (a pass-through checkpoint, events) on a full disk
+                if not is_disk_full(exc):
+                    raise
+                stopped, error = "failed", f"{DISK_FULL} ({exc})"
             for stage_id in order:
                 if stage_id not in self.records:
                     stage = self.spec.stage(stage_id)
@@ -104,8 +110,13 @@ class Runner:
             records = [asdict(self.records[s]) for s in order]
             status, reasons = run_status(records, stopped)
             summary = build_summary(self.run_dir.name, status, records, self.rollbacks, error, reasons)
-            write_json(self.run_dir / SUMMARY_FILE, summary)
-            self.events.emit("run_" + status, error=error, reasons=reasons, warnings=summary["warnings"])
+            try:
+                write_json(self.run_dir / SUMMARY_FILE, summary)
+                self.events.emit("run_" + status, error=error, reasons=reasons, warnings=summary["warnings"])
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise RunFailed(f"cannot write {SUMMARY_FILE}: {DISK_FULL}") from None
             return summary
 
     def _prepare(self) -> bool:
@@ -291,7 +302,7 @@ class Runner:
         stage = self.spec.stage(stage_id)
         stage_type = self.types[stage_id][0]
         if failure["kind"] == "disk":
-            return "abort", None, "committed checkpoints are intact: free disk space, then `opus resume`"
+            return "abort", None, DISK_FULL
         if self._role(stage_id) == "baseline":
             return "abort", None, "the baseline cannot be skipped: without it no ratio means anything"
         if failure["kind"] == "input":  # bad input or an unsupported operation repeats on every attempt

@@ -123,7 +123,9 @@ def run_worker(job: dict[str, Any], job_path: Path, log_path: Path, *, stall_tim
     error_file = Path(job["out_dir"]) / ERROR_FILE
     error = read_json(error_file) if error_file.is_file() else {}
     kind = "disk" if proc.returncode == EXIT_DISK else error.get("kind", "crash")
-    message = error.get("message") or _describe_exit(proc.returncode)
+    message = error.get("message") or (
+        "no space left on device (the worker could not even write its error report)" if kind == "disk"
+        else _describe_exit(proc.returncode))
     return WorkerOutcome(kind, f"{message} (log: {log_path})", proc.returncode)
 
 

@@ -7,7 +7,6 @@ stage that crashes, is killed for memory or hangs cannot take the run down with 
 from __future__ import annotations
 
 import ctypes
-import errno
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from opus.atomic import write_json
-from opus.checkpoint import DiskSpaceError, write_checkpoint
+from opus.checkpoint import is_disk_full, write_checkpoint
 from opus.errors import OpusError
 from opus.registry import load_stage_type
 from opus.spec import load_pipeline
@@ -109,13 +108,16 @@ def main(argv: list[str]) -> int:
         return 0
     except Exception as exc:  # noqa: BLE001 - any stage failure is recorded, the run decides
         kind = failure_kind(exc)
-        if kind == "disk":
-            write_json(out_dir / ERROR_FILE, {"kind": "disk", "message": str(exc)})
-            return EXIT_DISK
-        traceback.print_exc()
+        if kind != "disk":
+            traceback.print_exc()
         message = str(exc) if isinstance(exc, OpusError) else f"{type(exc).__name__}: {exc}"
-        write_json(out_dir / ERROR_FILE, {"kind": kind, "message": message.splitlines()[0][:500]})
-        return EXIT_CRASH
+        try:
+            write_json(out_dir / ERROR_FILE, {"kind": kind, "message": message.splitlines()[0][:500]})
+        except OSError as error:  # a disk too full for even the error report: that is the failure now
+            if not is_disk_full(error):
+                raise
+            kind = "disk"
+        return EXIT_DISK if kind == "disk" else EXIT_CRASH
 
 
 # Failures that repeat on every attempt: bad input, a missing or unreadable file, an operation
@@ -126,7 +128,7 @@ PERMANENT = (OpusError, FileNotFoundError, IsADirectoryError, NotADirectoryError
 
 def failure_kind(exc: BaseException) -> str:
     """``disk`` (can pass once space is freed), ``input`` (repeats on retry) or ``crash``."""
-    if isinstance(exc, DiskSpaceError) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+    if is_disk_full(exc):
         return "disk"
     if isinstance(exc, PERMANENT) or type(exc).__name__ == "SafetensorError":  # a damaged tensor file
         return "input"

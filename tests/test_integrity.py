@@ -125,3 +125,18 @@ def test_disk_is_checked_before_the_stage_computes_and_resume_finishes(tmp_path:
     assert not (run_dir / "logs").exists()  # no worker was started: nothing computed, nothing lost
     assert run_cli("run", path, "--run-dir", run_dir) == 0
     assert statuses(run_dir) == {"base": "done", "first": "done"}
+
+
+def test_a_full_disk_is_a_disk_failure_however_a_library_reports_it() -> None:
+    import errno
+
+    from opus.worker import failure_kind
+
+    class SafetensorError(Exception):  # safetensors' own type keeps only the OS error's text
+        pass
+
+    assert failure_kind(SafetensorError("Error while serializing: I/O error: No space left on device "
+                                        "(os error 28)")) == "disk"
+    assert failure_kind(OSError(errno.ENOSPC, "No space left on device")) == "disk"
+    assert failure_kind(SafetensorError("invalid header: truncated")) == "input"  # a damaged file repeats
+    assert failure_kind(RuntimeError("CUDA error")) == "crash"
