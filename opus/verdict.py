@@ -35,8 +35,11 @@ def run_status(records: list[dict[str, Any]], stopped: str | None) -> tuple[str,
     if stopped == "interrupted":
         return "interrupted", ["stopped by the user; `opus resume` continues"]
     lost = [r for r in records if r["status"] not in KEPT]
+    never_run = [r["id"] for r in lost if r["status"] == "skipped"]
     reasons = [f"stage '{r['id']}' {r['status'].replace('_', ' ')}" + (f": {r['note']}" if r.get("note") else "")
-               for r in lost]
+               for r in lost if r["status"] != "skipped"]
+    if never_run:  # one line for all the stages the run never reached
+        reasons.append(f"not run, the run ended before them: {', '.join(never_run)}")
     if stopped == "failed":
         return "failed", reasons
     failed_evals = [r["id"] for r in lost if r.get("role") in ("baseline", "eval")]

@@ -35,6 +35,7 @@ def test_failed_baseline_ends_the_run_whatever_on_fail_says(tmp_path: Path) -> N
     result = summary(run_dir)
     assert code == 3 and result["status"] == "failed" and "baseline cannot be skipped" in result["error"]
     assert statuses(run_dir) == {"base": "failed", "q": "skipped"}
+    assert result["reasons"][-1] == "not run, the run ended before them: q"
     assert result["final_stage"] is None and result["ratios"] == {}
 
 
