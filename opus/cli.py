@@ -90,7 +90,7 @@ def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
         print(f"  {summary['error']}")
     for warning in summary.get("warnings") or []:
         print(f"  warning   {warning}")
-    if summary["baseline"]:
+    if headline(summary["baseline"]):  # a failed baseline measured nothing: no empty line
         print(f"  baseline  {headline(summary['baseline'])}")
     if summary["final_stage"]:
         ratios = "  ".join(f"{k} ×{v:.3f}" for k, v in summary["ratios"].items())

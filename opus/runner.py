@@ -75,6 +75,8 @@ class Runner:
     def __init__(self, loaded: LoadedPipeline, run_dir: Path, display: RunDisplay) -> None:
         self.loaded, self.spec = loaded, loaded.spec
         self.graph, self.types = validate(loaded)
+        # Once, before anything runs: a stage type declaring an unknown ROLE fails here, not mid-run.
+        self.roles = {stage_id: stage_type.role(cfg) for stage_id, (stage_type, cfg) in self.types.items()}
         self.run_dir = run_dir.resolve()
         self.stages_dir = self.run_dir / "stages"
         self.events = EventLog(self.run_dir)
@@ -177,8 +179,7 @@ class Runner:
         return "no checkpoint yet"
 
     def _role(self, stage_id: str) -> str:
-        stage_type, cfg = self.types[stage_id]
-        return stage_type.role(cfg)
+        return self.roles[stage_id]
 
     # -- one stage -------------------------------------------------------------------------
     def _run_stage(self, stage_id: str) -> None:
