@@ -31,13 +31,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opus.data import load_blocks  # noqa: E402
-from opus.engine import generate  # noqa: E402
 from opus.gpu.runner import StaticRunner  # noqa: E402
 from opus.models import load_model  # noqa: E402
+from opus.pipeline.spec import TextSetSpec  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
 from opus.quant.smooth import apply_smoothing, smooth_groups  # noqa: E402
-from opus.spec import TextSetSpec  # noqa: E402
+from opus.runtime.data import load_blocks  # noqa: E402
+from opus.runtime.engine import generate  # noqa: E402
 
 
 def static_runner(model: torch.nn.Module, batch: int, capacity: int, quant: str | None,

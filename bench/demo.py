@@ -3,7 +3,7 @@
 Variants (``--variants``, the first is the reference for the ratios):
 
 - ``hf``        transformers eager ``generate`` (greedy, its own dynamic KV cache)
-- ``opus``      Opus's own decoder through ``opus.engine`` (growing KV cache), float32
+- ``opus``      Opus's own decoder through ``opus.runtime.engine`` (growing KV cache), float32
 - ``opus-bf16`` the same in bfloat16
 
 For each: P (generated tokens/s of ``--batch`` prompts of ``--input-len`` tokens, ``--output-len``
@@ -34,11 +34,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing Opus
 
-from opus.data import cut_blocks, token_stream  # noqa: E402
-from opus.engine import generate  # noqa: E402
-from opus.kvcache import cache_factory  # noqa: E402
-from opus.metrics import PeakMemory, evaluate_lm, model_mb  # noqa: E402
-from opus.spec import TextSetSpec  # noqa: E402
+from opus.kv.cache import cache_factory  # noqa: E402
+from opus.pipeline.spec import TextSetSpec  # noqa: E402
+from opus.runtime.data import cut_blocks, token_stream  # noqa: E402
+from opus.runtime.engine import generate  # noqa: E402
+from opus.runtime.metrics import PeakMemory, evaluate_lm, model_mb  # noqa: E402
 
 ROWS = (("throughput_tok_s", "P  tok/s", "{:.1f}", True), ("ttft_ms", "D  ms", "{:.1f}", False),
         ("decode_tok_s", "decode b1 tok/s", "{:.1f}", True), ("peak_mem_mb", "peak RSS MB", "{:.0f}", False),

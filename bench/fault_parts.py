@@ -41,11 +41,11 @@ def snapshot_code(into: Path) -> str:
 
 
 def _popen(args: tuple[object, ...], **kwargs: Any) -> subprocess.Popen:
-    """``python -m opus.cli ARGS`` from CODE, offline, in its own session (its own process group)."""
+    """``python -m opus.cli.main ARGS`` from CODE, offline, in its own session (its own process group)."""
     code = str(CODE["dir"])
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (code, env.get("PYTHONPATH")) if p)
-    return subprocess.Popen([sys.executable, "-m", "opus.cli", *map(str, args)], cwd=code, env=env,
+    return subprocess.Popen([sys.executable, "-m", "opus.cli.main", *map(str, args)], cwd=code, env=env,
                             stdin=subprocess.DEVNULL, start_new_session=True, **kwargs)
 
 
@@ -189,7 +189,7 @@ def default_target(ref: Path) -> str:
 
 def digests_of(run_dir: Path) -> dict[str, str]:
     """{stage: content digest}: what the runner chains into the keys of the stages that consume it."""
-    from opus.checkpoint import content_digest
+    from opus.pipeline.checkpoint import content_digest
 
     return {s: content_digest(p) for s in committed(run_dir) if (p := stage_dir(run_dir, s))}
 

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing Opus
 
 from opus import fusion  # noqa: E402
-from opus.kvcache import cache_factory  # noqa: E402
-from opus.kvpool import cache_config, default_pool  # noqa: E402
-from opus.metrics import measure_latency, measure_throughput  # noqa: E402
+from opus.kv.cache import cache_factory  # noqa: E402
+from opus.kv.pool import cache_config, default_pool  # noqa: E402
 from opus.models import DecoderLM, ModelConfig, load_model  # noqa: E402
+from opus.runtime.metrics import measure_latency, measure_throughput  # noqa: E402
 
 
 def load(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, str]:
@@ -55,8 +55,8 @@ def load(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, str]:
 
 
 def prompts_for(args: argparse.Namespace, model: torch.nn.Module, tok: Any) -> tuple[torch.Tensor, str]:
-    from opus.data import cut_blocks, random_blocks, token_stream
-    from opus.spec import TextSetSpec
+    from opus.pipeline.spec import TextSetSpec
+    from opus.runtime.data import cut_blocks, random_blocks, token_stream
 
     if tok is not None and args.data:
         stream, where = token_stream(TextSetSpec(files=[args.data]), tok, ROOT)

@@ -35,11 +35,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from opus.engine import generate  # noqa: E402
 from opus.gpu import FastDecoder, StaticRunner  # noqa: E402
 from opus.gpu.fidelity import agreement, compare, opus_forced, runner_forced  # noqa: E402
 from opus.models import build_model, config_from_hf, load_model  # noqa: E402
 from opus.models.hf import map_hf_tensors  # noqa: E402
+from opus.runtime.engine import generate  # noqa: E402
 
 T0 = time.perf_counter()
 FULL = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16,

@@ -26,15 +26,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opus.data import load_blocks  # noqa: E402
-from opus.kvcache import cache_factory  # noqa: E402
-from opus.metrics import Settings, measure_suite, prepare_inputs  # noqa: E402
+from opus.kv.cache import cache_factory  # noqa: E402
 from opus.models import load_model  # noqa: E402
+from opus.pipeline.spec import TextSetSpec, WorkloadSpec  # noqa: E402
 from opus.quant.apply import quantize_model  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
 from opus.quant.groups import ROUTER_PATTERNS, uniform_assignment  # noqa: E402
-from opus.quant.planning import PlanRequest, assignment_from_plan, make_plan  # noqa: E402
-from opus.spec import TextSetSpec, WorkloadSpec  # noqa: E402
+from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan  # noqa: E402
+from opus.runtime.data import load_blocks  # noqa: E402
+from opus.runtime.metrics import Settings, measure_suite, prepare_inputs  # noqa: E402
 
 ROUTERS = ROUTER_PATTERNS
 

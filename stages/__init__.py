@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 REFERENCE = "reference.safetensors"  # the baseline's fidelity reference, an artifact of that stage
-# The keys opus.metrics.measure_suite may report (P with the batch's prefill and decode, D with
+# The keys opus.runtime.metrics.measure_suite may report (P with the batch's prefill and decode, D with
 # decode at batch 1, memory, quality), and what compare_to_reference adds: the measuring stages'
 # METRICS, against which gates are checked before a run.
 SUITE_METRICS = frozenset({"model_mb", "throughput_tok_s", "peak_mem_mb", "peak_mem_rise_mb", "prefill_ms_batch",
@@ -35,10 +35,10 @@ class MeasureConfig(BaseModel):
 
 @dataclass
 class Measured:
-    loaded: Any  # opus.state.Materialized
-    inputs: Any  # opus.metrics.Inputs
-    factory: Any  # opus.kvcache.CacheFactory
-    progress: Any  # opus.metrics.Progress
+    loaded: Any  # opus.pipeline.state.Materialized
+    inputs: Any  # opus.runtime.metrics.Inputs
+    factory: Any  # opus.kv.cache.CacheFactory
+    progress: Any  # opus.runtime.metrics.Progress
     metrics: dict[str, Any]
     info: dict[str, Any]
 
@@ -49,10 +49,10 @@ def measure_incoming(ctx: Any, cfg: MeasureConfig, extra_units: int = 0) -> Meas
     The KV cache is the one the state's recipe chose (a ``kv_cache`` step), else the growing cache.
     ``extra_units`` is progress work the stage will do afterwards, so the ETA covers it.
     """
-    from opus.engine import supports_cache
-    from opus.kvcache import cache_config_from_recipe, cache_factory
-    from opus.metrics import Progress, Settings, measure_suite, prepare_inputs
-    from opus.static_cache import compile_notes
+    from opus.kv.cache import cache_config_from_recipe, cache_factory
+    from opus.kv.static import compile_notes
+    from opus.runtime.engine import supports_cache
+    from opus.runtime.metrics import Progress, Settings, measure_suite, prepare_inputs
 
     loaded = ctx.load_model()
     cache_config = cache_config_from_recipe(loaded.state.get("recipe"))

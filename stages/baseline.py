@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from opus.stage import StageContext, StageResult
+from opus.pipeline.context import StageContext, StageResult
 from stages import REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
 
 VERSION = "1"
-ROLE = "baseline"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "baseline"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = SUITE_METRICS  # what a gate on this stage can name (checked before a run)
 
 
@@ -24,8 +24,8 @@ class Config(MeasureConfig):
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
-    from opus.engine import supports_cache
-    from opus.metrics import fidelity_prompts, fidelity_units, make_reference
+    from opus.runtime.engine import supports_cache
+    from opus.runtime.metrics import fidelity_prompts, fidelity_units, make_reference
 
     measured = measure_incoming(ctx, cfg, extra_units=fidelity_units(cfg.fidelity_tokens))
     model = measured.loaded.model

@@ -8,11 +8,11 @@ same as the baseline's so the ratios compare like with like.
 
 from __future__ import annotations
 
-from opus.stage import StageContext, StageResult
+from opus.pipeline.context import StageContext, StageResult
 from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
 
 VERSION = "1"
-ROLE = "eval"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "eval"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = SUITE_METRICS | FIDELITY_METRICS  # what a gate on this stage can name
 
 
@@ -21,7 +21,7 @@ class Config(MeasureConfig):
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
-    from opus.metrics import Reference, compare_to_reference, fidelity_units
+    from opus.runtime.metrics import Reference, compare_to_reference, fidelity_units
 
     reference, baseline = None, None
     if cfg.fidelity:

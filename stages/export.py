@@ -1,7 +1,7 @@
 """export: the current model to ONNX (checked in onnxruntime: parity, P, D) and to safetensors + recipe.
 
 The export directory (default: this stage's ``artifacts/export``) reloads without the run directory
-through ``opus.export.load_exported(dir)``. A model ONNX cannot express (e.g. a custom quantized
+through ``opus.export.native.load_exported(dir)``. A model ONNX cannot express (e.g. a custom quantized
 module) gives ``onnx_exported: 0`` and the reason in the stage info; the run goes on. ONNX P is a
 greedy loop without a KV cache (``new_tokens`` tokens), D one full forward of ``input_len`` tokens.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opus.stage import StageContext, StageResult
+from opus.pipeline.context import StageContext, StageResult
 
 VERSION = "1"
-ROLE = "export"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "export"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({"export_tensors_mb", "onnx_exported", "onnx_file_mb", "onnx_max_abs_diff",
                      "onnx_next_token_agreement", "onnx_greedy_agreement", "onnx_ttft_ms",
                      "onnx_throughput_tok_s"})
@@ -36,7 +36,7 @@ class Config(BaseModel):
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
-    from opus.export import ExportSettings, export_model
+    from opus.export.native import ExportSettings, export_model
 
     loaded = ctx.load_model()
     workload, spec = ctx.workload, ctx.spec

@@ -27,12 +27,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opus.choose import DEFAULT_ROUNDS, write_decisions
-from opus.replay import source_artifact
-from opus.stage import StageContext, StageResult
+from opus.pipeline.context import StageContext, StageResult
+from opus.pipeline.replay import source_artifact
+from opus.runtime.choose import DEFAULT_ROUNDS, write_decisions
 
 VERSION = "1"
-ROLE = "transform"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "transform"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({f"{count}_{when}" for when in ("before", "after") for count in
                      ("nodes", "ops", "ops_prefill", "ops_decode", "decode_ms", "dispatch_share")}
                     | {"fusion_exact_match", "fusion_cosine", "fusion_cosine_min", "fusion_max_abs_diff",
@@ -54,7 +54,7 @@ class Check(Strict):
 
 
 class Compile(Strict):
-    enabled: bool = False  # measured: kept only when a decode step gets faster beyond the noise (opus.choose)
+    enabled: bool = False  # measured: kept only when a decode step gets faster beyond the noise (opus.runtime.choose)
     backend: str = "inductor"
     mode: str | None = None
     dynamic: bool | None = None
@@ -76,8 +76,8 @@ class Config(Strict):
 
 
 def _lm_prompts(ctx: StageContext, model: Any, tokenizer: Any, cfg: Config) -> tuple[Any, str]:
-    from opus.data import DataError, load_blocks, random_blocks
-    from opus.metrics import vocab_size
+    from opus.runtime.data import DataError, load_blocks, random_blocks
+    from opus.runtime.metrics import vocab_size
 
     evaluation = ctx.spec.data.evaluation
     if evaluation is not None and tokenizer is not None:
@@ -130,7 +130,7 @@ def _check(cfg: Check, eq: dict[str, float]) -> list[str]:
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus import fusion
-    from opus.engine import model_device, supports_cache
+    from opus.runtime.engine import model_device, supports_cache
 
     loaded = ctx.load_model()
     model = loaded.model

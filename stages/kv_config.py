@@ -1,11 +1,11 @@
 """Choose the KV cache for the engine, per batch size, by measurement.
 
 Candidates — the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, and the
-static cache whose decode steps run as one compiled graph (``opus.static_cache``; Opus decoders
+static cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders
 only) — run the pipeline's workload (or the ``input_len``/``output_len`` given here) at each batch
 size that fits the memory budget (default: 1 and the workload's), in interleaved rounds
 (``repeats``), each round timed as the prefill plus the median decode step for every step. At each
-batch size the shared rule of ``opus.choose`` picks: the fastest, unless others are within the
+batch size the shared rule of ``opus.runtime.choose`` picks: the fastest, unless others are within the
 noise margin of it; then the simpler wins (growing, then pooled, then static); ``decisions.json``
 keeps the rounds, margin and reason. Where the winners differ (a compiled static step wins at batch
 1, where per-op dispatch bounds a step, and a pooled cache at batch 32), the recipe gets a
@@ -32,12 +32,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opus.choose import DEFAULT_ROUNDS, replayed, write_decisions
-from opus.replay import source_artifact
-from opus.stage import StageContext, StageResult
+from opus.pipeline.context import StageContext, StageResult
+from opus.pipeline.replay import source_artifact
+from opus.runtime.choose import DEFAULT_ROUNDS, replayed, write_decisions
 
 VERSION = "1"
-ROLE = "transform"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "transform"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "kv_batch_size",
                      "kv_bytes_per_token", "kv_pooled", "kv_exact_match", "kv_by_batch",
                      "kv_speedup_vs_growing", "kv_speedup_vs_growing_b*"})
@@ -64,9 +64,9 @@ class Config(BaseModel):
 
 
 def _candidates(cfg: Config, max_ctx: int, model: Any) -> list[dict[str, Any]]:
-    from opus.kvpool import cache_config
+    from opus.kv.pool import cache_config
+    from opus.kv.static import cache_config as static_config
     from opus.models.decoder import DecoderLM
-    from opus.static_cache import cache_config as static_config
 
     out = [cache_config(p, s, max_ctx) for p in cfg.prealloc for s in cfg.step]
     out += [{"kind": "growing"}] if cfg.include_growing else []
@@ -76,8 +76,8 @@ def _candidates(cfg: Config, max_ctx: int, model: Any) -> list[dict[str, Any]]:
 
 
 def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> int:
-    from opus.kvpool import max_batch
-    from opus.static_cache import max_batch as static_max_batch
+    from opus.kv.pool import max_batch
+    from opus.kv.static import max_batch as static_max_batch
 
     if cache["kind"] == "growing":  # holds exactly the context (plus a transient copy while growing)
         return max(0, budget // (2 * per_token * context))
@@ -98,14 +98,14 @@ def _label(cache: dict[str, Any]) -> str:
 
 def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]], warmup: int, rounds: int,
           progress: Any) -> tuple[Any, dict[str, Any]]:
-    """Time the rows' caches at one batch size in interleaved rounds (opus.choose); fill each row's P
+    """Time the rows' caches at one batch size in interleaved rounds (opus.runtime.choose); fill each row's P
     figures and the peak memory of its first timed run. Returns the decision and the winning row."""
     from contextlib import nullcontext
 
-    from opus.choose import Option, decide, reported
-    from opus.engine import model_device, timed_generate
-    from opus.kvcache import cache_factory
-    from opus.metrics import PeakMemory, memory_figures, throughput_figures
+    from opus.kv.cache import cache_factory
+    from opus.runtime.choose import Option, decide, reported
+    from opus.runtime.engine import model_device, timed_generate
+    from opus.runtime.metrics import PeakMemory, memory_figures, throughput_figures
 
     runs: dict[str, list[Any]] = {}
 
@@ -135,7 +135,7 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
 def _replayed(path: Any, batches: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Per batch size, the one cache the earlier run's kv_config.json chose there."""
     from opus.errors import InputError
-    from opus.kvcache import cache_for_batch
+    from opus.kv.cache import cache_for_batch
 
     report = json.loads(path.read_text())
     winners, chosen = report.get("winners") or {}, report.get("chosen")
@@ -151,7 +151,7 @@ def _replayed(path: Any, batches: list[int]) -> dict[int, list[dict[str, Any]]]:
 def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """One cache config, or a by_batch one: each measured batch size gets its winner, batch sizes in
     between the next larger measured one's, and larger ones the largest's."""
-    from opus.kvcache import by_batch_config
+    from opus.kv.cache import by_batch_config
 
     rules: list[tuple[int | None, dict[str, Any]]] = []
     for batch, row in winners.items():
@@ -166,9 +166,9 @@ def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: int, vocab: int, seed: int) -> float:
     """Greedy tokens through the row's cache vs the growing cache, at its batch size (1.0 = identical)."""
-    from opus.data import random_blocks
-    from opus.engine import generate, model_device
-    from opus.kvcache import cache_factory
+    from opus.kv.cache import cache_factory
+    from opus.runtime.data import random_blocks
+    from opus.runtime.engine import generate, model_device
 
     prompts = random_blocks(row["batch_size"], input_len, vocab, seed + 1).to(model_device(model))
     want = generate(model, prompts, output_len, cache_factory(model)).tokens
@@ -179,12 +179,12 @@ def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: in
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     import torch
 
-    from opus import static_cache
-    from opus.data import random_blocks
-    from opus.engine import model_device, supports_cache
-    from opus.kvcache import kv_cache_step
-    from opus.kvpool import kv_bytes_per_token, memory_budget
-    from opus.metrics import Progress, vocab_size
+    from opus.kv import static as static_cache
+    from opus.kv.cache import kv_cache_step
+    from opus.kv.pool import kv_bytes_per_token, memory_budget
+    from opus.runtime.data import random_blocks
+    from opus.runtime.engine import model_device, supports_cache
+    from opus.runtime.metrics import Progress, vocab_size
 
     model = ctx.load_model().model
     mc = getattr(model, "config", None)

@@ -8,16 +8,16 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from opus.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
-from opus.data import load_blocks
 from opus.errors import InputError
+from opus.pipeline.context import StageContext, StageResult
+from opus.pipeline.replay import source_artifact
 from opus.quant.calibrate import collect_stats
-from opus.quant.planning import PlanRequest, assignment_from_plan, make_plan
-from opus.replay import source_artifact
-from opus.stage import StageContext, StageResult
+from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
+from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
+from opus.runtime.data import load_blocks
 
 VERSION = "1"
-ROLE = "analysis"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "analysis"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({"planned_groups", "groups_*", "predicted_ppl_increase", "predicted_linear_speedup"})
 
 
@@ -61,7 +61,7 @@ class Config(BaseModel):
                            "contender while timing)")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
-                        "(kernel timing, end-to-end check); their spread sets the noise margin (opus.choose)")
+                        "(kernel timing, end-to-end check); their spread sets the noise margin (opus.runtime.choose)")
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:

@@ -1,6 +1,6 @@
 """``profile``: where one prefill and one decode step spend their time, per module and per role.
 
-Leaves the model unchanged. Writes ``profile.json`` (see ``opus.profiling``) and ``profile.png``;
+Leaves the model unchanged. Writes ``profile.json`` (see ``opus.runtime.profiling``; the report draws it);
 reports ``profile_prefill_ms``, ``profile_decode_ms``, ``profile_ops_prefill``,
 ``profile_ops_decode`` and ``share_<role>``. Shapes default to the pipeline's workload; a smaller
 ``batch_size`` / ``input_len`` keeps the profile cheap on a big model (shares shift with shape).
@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opus.engine import supports_cache
-from opus.kvcache import cache_config_from_recipe, cache_factory
-from opus.profile_plot import plot_profile
-from opus.profiling import PHASES, ROLES, ProfileWorkload, profile_metrics, profile_model, summary_line
-from opus.stage import StageContext, StageResult
+from opus.kv.cache import cache_config_from_recipe, cache_factory
+from opus.pipeline.context import StageContext, StageResult
+from opus.runtime.engine import supports_cache
+from opus.runtime.profiling import PHASES, ROLES, ProfileWorkload, profile_metrics, profile_model, summary_line
 
 VERSION = "1"
-ROLE = "measure"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "measure"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({f"profile_{phase}_ms" for phase in PHASES} | {f"profile_ops_{phase}" for phase in PHASES}
                     | {f"share_{role}" for role in ROLES})
 
@@ -47,7 +46,6 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     profile = profile_model(model, workload, factory, progress=ctx.progress, top=cfg.top,
                             max_modules=cfg.max_modules)
     ctx.write_artifact("profile.json", profile)
-    ctx.write_artifact("profile.png", plot_profile(profile))
     line = summary_line(profile)
     ctx.log(f"profile: {line}")
     return StageResult(metrics=profile_metrics(profile), model=None, info={"profile": line})

@@ -7,16 +7,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from opus.data import load_blocks
-from opus.metrics import Progress, evaluate_lm, model_mb
+from opus.pipeline.context import StageContext, StageResult
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
 from opus.quant.formats import promote
-from opus.quant.planning import assignment_from_plan
-from opus.stage import StageContext, StageResult
+from opus.quant.plan import assignment_from_plan
+from opus.runtime.data import load_blocks
+from opus.runtime.metrics import Progress, evaluate_lm, model_mb
 
 VERSION = "1"
-ROLE = "transform"  # how the run's verdict counts this stage (opus.registry.ROLES)
+ROLE = "transform"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({"quantized_layers", "model_mb", "perplexity", "top1_accuracy", "eval_tokens"})
 ACCURACY_METRICS = {"perplexity", "top1_accuracy", "agreement", "logits_cosine", "top5_overlap"}
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from opus.summary import build_summary
+from opus.pipeline.summary import build_summary
 
 GITIGNORE = "runs/*/stages/\nruns/*/rejected/\nruns/*/.lock\nruns/*/logs/\n*.safetensors\n"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from opus.cli import main
+from opus.cli.main import main
 
 SCALE = "tests.fixtures.stages.scale"
 MEASURE = "tests.fixtures.stages.measure"

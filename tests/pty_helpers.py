@@ -41,13 +41,13 @@ def screen_rows(output: str) -> list[str]:
 
 
 def run_in_pty(args: list[str | Path], columns: int, timeout_s: float, rows: int = 40) -> PtyResult:
-    """``python -m opus.cli ARGS`` with stdin, stdout and stderr on a terminal COLUMNS wide."""
+    """``python -m opus.cli.main ARGS`` with stdin, stdout and stderr on a terminal COLUMNS wide."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in RICH_OVERRIDES}
     env.update(TERM="xterm-256color", COLUMNS=str(columns), LINES=str(rows), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "opus.cli", *map(str, args)], stdin=slave, stdout=slave,
+    proc = subprocess.Popen([sys.executable, "-m", "opus.cli.main", *map(str, args)], stdin=slave, stdout=slave,
                             stderr=slave, cwd=REPO, env=env, start_new_session=True)
     os.close(slave)
     try:

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from opus.graph import validate
-from opus.registry import known_stage_types
-from opus.spec import load_pipeline
+from opus.pipeline.graph import validate
+from opus.pipeline.registry import known_stage_types
+from opus.pipeline.spec import load_pipeline
 from tests.helpers import run_cli, statuses
 from tests.pty_helpers import SmokeRun
 

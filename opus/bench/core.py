@@ -3,7 +3,7 @@
 A contender is a name and a ``build(ctx) -> Built`` function. ``Built.model`` follows the engine's
 LM interface (``model(input_ids, cache=None, start_pos=0, last_only=False) -> logits``): an Opus
 decoder, or an adapter that puts another runtime (onnxruntime, llama.cpp) behind that interface.
-Every contender is then measured by the same code — ``opus.metrics.measure_suite`` for P, D,
+Every contender is then measured by the same code — ``opus.runtime.metrics.measure_suite`` for P, D,
 decode speed at batch 1, peak memory and perplexity, and ``compare_to_reference`` for agreement —
 so the same workload, prompts and evaluation blocks reach every runtime.
 
@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.kvcache import CacheFactory
-from opus.metrics import (
+from opus.kv.cache import CacheFactory
+from opus.pipeline.spec import WorkloadSpec
+from opus.runtime.metrics import (
     Inputs,
     Progress,
     Reference,
@@ -33,7 +34,6 @@ from opus.metrics import (
     measure_suite,
     suite_units,
 )
-from opus.spec import WorkloadSpec
 
 
 class Unavailable(Exception):
@@ -70,7 +70,7 @@ class BenchContext:
     cache_dir: Path = Path(".")  # converted GGUFs, unpacked converter
     work_dir: Path = Path(".")  # temporary files of this run (ONNX graphs)
     checkpoint: Path | None = None  # the Opus run's final checkpoint (the "opus" contender)
-    spec: Any = None  # opus.spec.PipelineSpec
+    spec: Any = None  # opus.pipeline.spec.PipelineSpec
     no_run_reason: str = ""
     log: Callable[[str], None] = print
     reference: Reference | None = None  # set by the baseline

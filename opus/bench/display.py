@@ -14,8 +14,8 @@ from rich.table import Column
 from rich.text import Text
 
 from opus.bench.core import Row
-from opus.console import WIDE_COLUMNS, Ticker, headline, is_live, progress_interval_s
-from opus.run_progress import format_count, format_duration
+from opus.pipeline.console import WIDE_COLUMNS, Ticker, headline, is_live, progress_interval_s
+from opus.pipeline.progress import format_count, format_duration
 
 
 class BenchDisplay:

@@ -159,7 +159,7 @@ class LlamaCppLM(nn.Module):
 
 def _token_check(lm: LlamaCppLM, tokenizer: Any, ctx: BenchContext) -> str:
     """Tokenize one text both ways: the GGUF's tokenizer must give the HF tokenizer's ids."""
-    from opus.data import tokenize
+    from opus.runtime.data import tokenize
 
     text = SAMPLE
     if ctx.inputs.eval_blocks is not None:
@@ -210,7 +210,7 @@ def _require_llama() -> None:
 def _converted(outtype: str) -> Any:
     def build(ctx: BenchContext) -> Built:
         from opus.bench.gguf import convert, find_converter
-        from opus.fingerprint import fingerprint_source
+        from opus.pipeline.fingerprint import fingerprint_source
 
         _require_llama()
         if "hf" not in ctx.source:

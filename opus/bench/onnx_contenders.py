@@ -1,4 +1,4 @@
-"""onnxruntime contenders: the fp32 model exported by ``opus.export`` (dynamo exporter), as is and
+"""onnxruntime contenders: the fp32 model exported by ``opus.export.native`` (dynamo exporter), as is and
 after ``onnxruntime.quantization.quantize_dynamic`` (int8 weights, int8 activations at run time).
 
 The exported graph maps ``input_ids -> logits`` and has no KV cache inputs, so P and D here come
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from opus.bench.core import BenchContext, Built, Contender, Unavailable
-from opus.data import random_blocks
+from opus.runtime.data import random_blocks
 
 GRAPHS = ("last", "full")
 NO_CACHE = ("P and D: greedy loop without a KV cache (the exported graph has none), each new token "
@@ -74,7 +74,7 @@ def _export(ctx: BenchContext) -> dict[str, Any]:
         return ctx.shared["onnx"]
     if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnxscript") is None:
         raise Unavailable("onnxruntime or onnxscript is not installed")
-    from opus.export import LogitsOnly, accepts_last_only, export_onnx, vocab_size
+    from opus.export.native import LogitsOnly, accepts_last_only, export_onnx, vocab_size
 
     model = ctx.load("float32")
     if not accepts_last_only(model):
@@ -124,7 +124,7 @@ def _quantized(ctx: BenchContext) -> dict[str, Any]:
 
 
 def _built(ctx: BenchContext, made: dict[str, Any], notes: list[str]) -> Built:
-    from opus.export import ort_session
+    from opus.export.native import ort_session
 
     sessions = {g: ort_session(p, ctx.device, ctx.threads) for g, p in made["paths"].items()}
     model = OrtLM(sessions["last"], sessions["full"])

@@ -23,9 +23,9 @@ from opus.bench.core import BenchContext, Contender, Row, Unavailable, judge, me
 from opus.bench.gguf import cache_root
 from opus.bench.target import Target, pipeline_budget, resolve_target
 from opus.errors import InputError, OpusError
-from opus.export import one_line
-from opus.metrics import Progress, Settings, fidelity_prompts, prepare_inputs
-from opus.spec import WorkloadSpec
+from opus.export.native import one_line
+from opus.pipeline.spec import WorkloadSpec
+from opus.runtime.metrics import Progress, Settings, fidelity_prompts, prepare_inputs
 
 
 @dataclass
@@ -181,7 +181,7 @@ def run_bench(request: BenchRequest, display: Any) -> tuple[dict[str, Any], list
 def _recheck(baseline: Contender, ctx: BenchContext, first: float | None) -> dict[str, Any]:
     """The baseline's P measured again after every contender: how much the machine drifted meanwhile
     (another process, thermal limits), i.e. how much noise the ratios carry."""
-    from opus.metrics import measure_throughput
+    from opus.runtime.metrics import measure_throughput
 
     built = baseline.build(ctx)
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from opus.atomic import read_json
 from opus.errors import InputError
-from opus.spec import LoadedPipeline, load_pipeline
+from opus.pipeline.spec import LoadedPipeline, load_pipeline
 
 KEPT = ("done", "cached")
 DEFAULT_BUDGET = 0.01
@@ -108,7 +108,7 @@ def pipeline_budget(loaded: LoadedPipeline) -> tuple[float, str]:
     The last ``eval`` stage's perplexity gate (``max_increase``), as the pipeline would judge its own
     result; else the default +1 %.
     """
-    from opus.gates import metric_key
+    from opus.pipeline.gates import metric_key
 
     for stage in reversed(loaded.spec.stages):
         if stage.uses != "eval":

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from opus.bench.core import BenchContext, Built, Contender, Unavailable
-from opus.engine import full_logits, generate
-from opus.kvcache import cache_config_from_recipe, cache_factory, describe_cache
+from opus.kv.cache import cache_config_from_recipe, cache_factory, describe_cache
+from opus.runtime.engine import full_logits, generate
 
 
 def _on_cpu(ctx: BenchContext, what: str) -> None:
@@ -162,7 +162,7 @@ class _LimitWatcher(logging.Handler):
 
 
 def opus_run(ctx: BenchContext) -> Built:
-    from opus.state import materialize
+    from opus.pipeline.state import materialize
 
     if ctx.checkpoint is None:
         raise Unavailable(ctx.no_run_reason or "no Opus run given")
@@ -177,7 +177,7 @@ def opus_run(ctx: BenchContext) -> Built:
 
 def _compile_notes(notes: list[str]) -> None:
     """A static cache that could not compile its decode step ran it eagerly: the row says so."""
-    from opus.static_cache import compile_notes
+    from opus.kv.static import compile_notes
 
     notes.extend(n for n in compile_notes() if n not in notes)
 

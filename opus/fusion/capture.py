@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from opus.kvcache import GrowingKVCache
+from opus.kv.cache import GrowingKVCache
 
 
 class RecordingCache(GrowingKVCache):

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from opus import engine, kvcache
+from opus.kv import cache as kvcache
+from opus.runtime import engine
 
 
 @dataclass

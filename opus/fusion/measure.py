@@ -19,9 +19,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opus.choose import wall_clock
 from opus.fusion.tracing import node_count, regions, try_trace
-from opus.kvcache import GrowingKVCache
+from opus.kv.cache import GrowingKVCache
+from opus.runtime.choose import wall_clock
 
 
 class OpCounter(TorchDispatchMode):

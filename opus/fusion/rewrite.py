@@ -22,7 +22,7 @@ from opus.fusion.measure import count_ops
 from opus.fusion.moe import GroupedMoE, group_moe, moe_reason
 from opus.fusion.patterns import FIND, PATTERNS, Site, rebuild
 from opus.fusion.tracing import Ignore, regions, replace_module, trace, try_trace
-from opus.transforms import register_transform
+from opus.recipe import register_transform
 
 KIND = "fuse"
 FX_ORDER = ("linear_group", "silu_mul", "add_rmsnorm", "rmsnorm")

@@ -11,7 +11,7 @@ optional quantized projections and experts), ``StaticRunner`` (buffers and CUDA-
 
 from opus.gpu.experts import StackedExperts, grouped_mm_reason
 from opus.gpu.fast import FastDecoder
-from opus.gpu.kv import StaticKVCache
 from opus.gpu.runner import StaticRunner
+from opus.kv.cuda_graph import StaticKVCache
 
 __all__ = ["FastDecoder", "StackedExperts", "StaticKVCache", "StaticRunner", "grouped_mm_reason"]

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.gpu.experts import StackedExperts, grouped_mm_reason
-from opus.gpu.kv import StaticKVCache
 from opus.gpu.qlinear import format_of, fuse_linears, module_bytes, quantize_linear
+from opus.kv.cuda_graph import StaticKVCache
 from opus.models.decoder import DecoderLM, SparseMoE, apply_rope
 
 

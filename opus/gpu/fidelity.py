@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from opus.gpu.runner import StaticRunner
-from opus.kvcache import GrowingKVCache
+from opus.kv.cache import GrowingKVCache
 
 
 def opus_forced(model: Any, ids: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``StaticRunner``: greedy generation on a FastDecoder with a static KV cache and CUDA graphs.
 
     runner = StaticRunner(model, batch_size=32, max_seq_len=640)          # or StaticRunner(fast_decoder, ...)
-    result = runner.generate(prompt_ids, new_tokens=128)                  # opus.engine.GenerationResult
+    result = runner.generate(prompt_ids, new_tokens=128)                  # opus.runtime.engine.GenerationResult
 
 Every tensor a step touches lives in a buffer allocated once: the current token ``tok [B, 1]``, its
 position ``pos [1]``, the step counter, the generated tokens and the last logits. A decode step
@@ -9,7 +9,7 @@ reads ``tok`` and ``pos``, writes the cache slot, picks the argmax, and advances
 the step counter itself — so on CUDA it is captured once (``torch.cuda.CUDAGraph``) and each later
 step is one ``replay()`` with no Python work. Prefill is captured too, once per prompt length, when
 the experts can run grouped (no host sync). On CPU nothing is captured and the same step functions
-run eagerly: that is how the CPU tests prove the captured code computes what opus.engine computes.
+run eagerly: that is how the CPU tests prove the captured code computes what opus.runtime.engine computes.
 
 Greedy only; prompts of equal length; prefill starts at position 0 (a new batch overwrites the cache).
 """
@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from opus.engine import GenerationResult
 from opus.gpu.experts import EXPERT_MODES
 from opus.gpu.fast import FastDecoder
 from opus.models.decoder import DecoderLM
+from opus.runtime.engine import GenerationResult
 
 
 class StaticRunner:

@@ -11,7 +11,7 @@ Interface used by the engine::
 
 With a cache, attention in layer i calls ``k_all, v_all = cache.update(i, k, v)`` (k, v after RoPE,
 ``[B, num_kv_heads, T, head_dim]``) and attends to everything the cache returns — masked by the
-cache's ``mask`` when it has one. A cache with ``decode_step`` (opus.static_cache) runs one-token
+cache's ``mask`` when it has one. A cache with ``decode_step`` (opus.kv.static) runs one-token
 steps itself: it calls the model back with a view that carries the ``positions`` as a tensor, so a
 compiled step never specializes on the position.
 
@@ -241,7 +241,7 @@ class DecoderLM(nn.Module):
                 last_only: bool = False) -> torch.Tensor:
         t = input_ids.shape[1]
         if hasattr(cache, "decode_step") and t == 1 and start_pos > 0:  # (cache first: fx traces cache=None)
-            # A static cache runs decode steps itself, as one compiled graph (opus.static_cache).
+            # A static cache runs decode steps itself, as one compiled graph (opus.kv.static).
             return cache.decode_step(self, input_ids, start_pos)  # type: ignore[union-attr]
         h = self.model.embed_tokens(input_ids)
         given = getattr(cache, "positions", None)  # a compiled step's positions: a tensor, never an int

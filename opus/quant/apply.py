@@ -10,7 +10,7 @@ from torch import nn
 from opus.quant.calibrate import ActivationStats
 from opus.quant.formats import FORMATS, check_format
 from opus.quant.smooth import apply_smoothing, smooth_groups
-from opus.transforms import register_transform
+from opus.recipe import register_transform
 
 RECIPE_KIND = "quantize"
 

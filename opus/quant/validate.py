@@ -4,7 +4,7 @@ The planner adds up kernel timings measured one GEMM at a time. Whatever those m
 the GEMMs, caches shared by the layers, the engine's own work) shows only when the whole model runs.
 So the plan stage builds the planned model and every uniform assignment that fits the same predicted
 budget (every free group, a tied lm_head included, in that format), runs each through the engine on
-the workload's shape in interleaved rounds and picks by the shared rule of ``opus.choose``: the
+the workload's shape in interleaved rounds and picks by the shared rule of ``opus.runtime.choose``: the
 fastest, unless others are within the noise margin of it; then the more accurate (lower predicted
 Δ cross-entropy), then the simpler (a uniform assignment before the per-layer plan).
 
@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
-from opus.engine import timed_generate
-from opus.kvcache import cache_factory
+from opus.kv.cache import cache_factory
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
-from opus.quant.planner import Candidate, GroupChoice
+from opus.quant.knapsack import Candidate, GroupChoice
+from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
+from opus.runtime.engine import timed_generate
 
 Progress = Callable[[float, float, str], None]
 PLAN = "plan"

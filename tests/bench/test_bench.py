@@ -13,10 +13,10 @@ from opus.bench import llamacpp, torch_contenders
 from opus.bench.core import Row, Unavailable, judge
 from opus.bench.run import all_contenders, select
 from opus.bench.target import pipeline_budget
-from opus.cli import main
+from opus.cli.main import main
 from opus.errors import InputError
-from opus.kvcache import kv_cache_step
-from opus.spec import load_pipeline
+from opus.kv.cache import kv_cache_step
+from opus.pipeline.spec import load_pipeline
 from tests.bench.project import make_project
 
 EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "compile", "onnx-fp32", "onnx-int8", "llama-f16",

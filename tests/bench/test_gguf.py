@@ -13,7 +13,7 @@ import pytest
 from opus.bench.core import Unavailable
 from opus.bench.gguf import SCRIPT, cache_root, find_converter
 from opus.bench.gguf_shim import byte_level_gpt2
-from opus.cli import main
+from opus.cli.main import main
 from tests.bench.project import make_project
 
 

@@ -11,9 +11,9 @@ import yaml
 from fusion_kit import prompts, tiny_lm
 
 from opus.fusion import FusionConfig, apply_fusion, decide_compile, fuse_model, lm_probe
-from opus.spec import load_pipeline
-from opus.state import STATE_FILE, TENSORS_FILE, changed_tensors, materialize
-from opus.transforms import apply_step
+from opus.pipeline.spec import load_pipeline
+from opus.pipeline.state import STATE_FILE, TENSORS_FILE, changed_tensors, materialize
+from opus.recipe import apply_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 

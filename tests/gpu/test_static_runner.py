@@ -1,4 +1,4 @@
-"""The static-shape path (opus.gpu) computes what opus.engine computes.
+"""The static-shape path (opus.gpu) computes what opus.runtime.engine computes.
 
 CPU, fp32, no graph capture: the step functions the CUDA graphs capture run eagerly here, so equal
 greedy tokens and logits prove the captured code's arithmetic. CUDA-only checks skip without a GPU.
@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opus.engine import generate
 from opus.gpu import FastDecoder, StackedExperts, StaticRunner
 from opus.gpu.qlinear import MinRows, quant_reason, quantize_linear
-from opus.kvcache import GrowingKVCache
+from opus.kv.cache import GrowingKVCache
 from opus.models import DecoderLM, ModelConfig
+from opus.runtime.engine import generate
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-only: graph capture and GPU kernels (no GPU here)")

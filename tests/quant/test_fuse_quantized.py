@@ -74,7 +74,7 @@ def test_quantized_experts_are_grouped_and_replay_from_recipe(fmt: str) -> None:
 
 def test_fused_quantized_moe_exports_with_parity(tmp_path) -> None:  # noqa: ANN001
     """Exporters see every expert on every token (static shapes, no sort) and must match eager."""
-    from opus.export import export_model
+    from opus.export.native import export_model
     from tests.stages.test_export import _assert_parity, _settings
 
     model = tiny_decoder("mixtral")

@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
+from opus.pipeline.spec import WorkloadSpec
 from opus.quant.calibrate import collect_stats
 from opus.quant.groups import build_groups
-from opus.quant.planner import Candidate, GroupChoice, budget_limit, plan_document, solve
-from opus.quant.planning import PlanRequest, assignment_from_plan, make_plan
-from opus.spec import WorkloadSpec
+from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
+from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
 from tests.quant.tiny import blocks, tiny_decoder
 
 
@@ -49,7 +49,7 @@ def test_a_format_within_the_noise_of_a_more_accurate_one_is_chosen_only_where_t
     from torch import nn
 
     from opus.quant.groups import QGroup
-    from opus.quant.planning import _group_choice
+    from opus.quant.plan import _group_choice
 
     def choice(w4_ms: float, kind: str) -> GroupChoice:  # steady timings: the margin is the 2% floor
         samples = {"fp32": [10.0] * 3, "w8a16": [5.0] * 3, "w4a16": [w4_ms] * 3}
@@ -108,8 +108,8 @@ def test_scoring_a_tied_head_leaves_the_embedding_float() -> None:
 
 @torch.no_grad()
 def test_quantized_tied_head_gets_its_own_copy_and_round_trips() -> None:
+    from opus.pipeline.state import changed_tensors
     from opus.quant.apply import quantize_model, rebuild
-    from opus.state import changed_tensors
 
     def tied() -> torch.nn.Module:
         model = tiny_decoder("llama")

@@ -11,8 +11,8 @@ import yaml
 KIT = Path(__file__).resolve().parents[1] / "fusion" / "fusion_kit.py"
 sys.path.insert(0, str(KIT.parent))
 
-from opus.spec import load_pipeline  # noqa: E402
-from opus.stage import StageContext  # noqa: E402
+from opus.pipeline.context import StageContext  # noqa: E402
+from opus.pipeline.spec import load_pipeline  # noqa: E402
 
 
 def make_project(root: Path, stages: list[dict[str, Any]], family: str = "mixtral",

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from opus.atomic import write_json
-from opus.kvcache import kv_cache_step
-from opus.preflight import undeclared_metrics
-from opus.spec import load_pipeline
-from opus.stage import StageContext, UpstreamStage
-from opus.state import STATE_FILE, base_state
+from opus.kv.cache import kv_cache_step
+from opus.pipeline.context import StageContext, UpstreamStage
+from opus.pipeline.preflight import undeclared_metrics
+from opus.pipeline.spec import load_pipeline
+from opus.pipeline.state import STATE_FILE, base_state
 from stages import REFERENCE, baseline
 from stages import eval as eval_stage
 
@@ -108,7 +108,7 @@ def test_eval_without_a_baseline_skips_fidelity(project, tmp_path) -> None:
 
 def test_eval_uses_the_kv_cache_the_recipe_chose(project, tmp_path, monkeypatch) -> None:
     (tmp_path / "counting_cache.py").write_text(textwrap.dedent("""
-        from opus.kvcache import GrowingKVCache, register_cache
+        from opus.kv.cache import GrowingKVCache, register_cache
 
         built = []
 
@@ -133,7 +133,7 @@ def test_eval_uses_the_kv_cache_the_recipe_chose(project, tmp_path, monkeypatch)
 
 
 def test_opus_run_end_to_end_then_cached(project, tmp_path) -> None:
-    from opus.cli import main
+    from opus.cli.main import main
 
     run_dir = tmp_path / "run"
     argv = ["run", str(project / "pipeline.yaml"), "--run-dir", str(run_dir), "--quiet"]

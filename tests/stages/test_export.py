@@ -1,4 +1,4 @@
-"""The ``export`` stage and ``opus.export``: ONNX parity in onnxruntime, and a reloadable safetensors export."""
+"""The ``export`` stage and ``opus.export.native``: ONNX parity in onnxruntime, and a reloadable safetensors export."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from opus.export import ExportSettings, export_model, load_exported
+from opus.export.native import ExportSettings, export_model, load_exported
 from opus.models import DecoderLM, ModelConfig
 from tests.helpers import pipeline, run_cli, statuses, summary, write_pipeline
 

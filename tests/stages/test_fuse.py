@@ -8,7 +8,7 @@ import pytest
 from fusion_project import context, make_project
 
 from opus.fusion import PATTERNS, GroupedMoE
-from opus.preflight import undeclared_metrics
+from opus.pipeline.preflight import undeclared_metrics
 from stages import fuse
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py

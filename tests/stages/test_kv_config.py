@@ -8,11 +8,11 @@ import pytest
 from fusion_project import context, make_project
 
 from opus.fusion import GroupedMoE
-from opus.kvcache import cache_config_from_recipe, make_cache
+from opus.kv.cache import cache_config_from_recipe, make_cache
 from opus.models import ModelConfig
-from opus.preflight import undeclared_metrics
-from opus.spec import load_pipeline
-from opus.state import materialize
+from opus.pipeline.preflight import undeclared_metrics
+from opus.pipeline.spec import load_pipeline
+from opus.pipeline.state import materialize
 from stages import kv_config
 
 SMALL = {"batch_sizes": [1, 2], "input_len": 6, "output_len": 3, "repeats": 1, "warmup": 0,
@@ -52,7 +52,7 @@ def test_an_earlier_runs_caches_are_replayed(tmp_path):
     pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
     earlier = tmp_path / "earlier" / "artifacts" / "kv"
     earlier.mkdir(parents=True)
-    growing, pooled = {"kind": "growing"}, {"kind": "pooled", "provider": "opus.kvpool", "prealloc": 4, "step": 2,
+    growing, pooled = {"kind": "growing"}, {"kind": "pooled", "provider": "opus.kv.pool", "prealloc": 4, "step": 2,
                                              "max_context": 8192}
     (earlier / "kv_config.json").write_text(json.dumps({"winners": {"1": growing, "2": pooled}}))
     ctx = context(pipeline, tmp_path / "out", "kv")
@@ -79,7 +79,7 @@ def test_budget_limits_the_batch(tmp_path):
 
 
 def test_fuse_then_kv_config_then_eval_through_the_runner(tmp_path):
-    from opus.cli import main
+    from opus.cli.main import main
 
     stages = [
         {"id": "fuse", "uses": "fuse", "with": {"measure_time": False},

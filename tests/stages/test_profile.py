@@ -1,4 +1,4 @@
-"""The ``profile`` stage through the runner: metrics, profile.json + profile.png, model unchanged."""
+"""The ``profile`` stage through the runner: metrics, profile.json (drawn by the report), model unchanged."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from opus.models import DecoderLM, ModelConfig
-from opus.preflight import undeclared_metrics
-from opus.profiling import ROLES
+from opus.pipeline.preflight import undeclared_metrics
+from opus.report.plots import profile_shares
+from opus.runtime.profiling import ROLES
 from stages import profile as profile_stage
 from tests.helpers import pipeline, run_cli, statuses, summary, write_pipeline
 
@@ -41,7 +42,8 @@ def test_profile_stage_end_to_end(tmp_path: Path) -> None:
     profile = json.loads((artifacts / "profile.json").read_text())
     assert profile["workload"]["batch_size"] == 2 and profile["workload"]["input_len"] == 8  # stage override
     assert profile["decode"]["cache_len"] == 8 and len(profile["hotspots"]) == 5
-    assert (artifacts / "profile.png").read_bytes().startswith(b"\x89PNG")
+    assert not (artifacts / "profile.png").exists()  # plots are the report's, not the stage's
+    assert profile_shares(profile).startswith(b"\x89PNG")
     # A measuring stage passes the model through: its checkpoint holds no tensors of its own.
     state = json.loads((run_dir / "stages" / "00-profile" / "state.json").read_text())
     assert state["recipe"] == [] and not state.get("tensors")

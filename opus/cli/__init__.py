@@ -1,0 +1,1 @@
+"""The ``opus`` command: ``main`` parses and dispatches; one module per command group."""

@@ -1,0 +1,1 @@
+"""The optimized model leaving Opus: export formats, and loading an export back."""

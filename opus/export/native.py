@@ -1,0 +1,297 @@
+"""Export the current model: ONNX (dynamo exporter) checked against torch in onnxruntime, and
+safetensors + recipe that ``load_exported(dir)`` rebuilds without the run directory.
+
+An export directory holds::
+
+    opus-export.json      source (absolute paths), dtype, recipe, aliases, sha256 of every file, metrics
+    tensors.safetensors   the full state dict (shared storages once), so the base weights may change
+    model.onnx(.data)     input_ids [batch, seq] int64 -> logits float32 (absent if export failed)
+
+ONNX P is measured by a greedy loop *without* a KV cache — each new token re-runs the whole
+sequence, as the exported graph has no cache inputs — so it is a lower bound on what an ORT
+deployment with a cache reaches. ONNX D is one full forward of a single request of ``input_len``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import shutil
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from opus.atomic import read_json, sha256_file, write_json, write_text
+from opus.pipeline.checkpoint import commit as swap_in
+from opus.pipeline.checkpoint import new_temp_dir
+from opus.pipeline.state import Materialized, apply_state, changed_tensors
+
+EXPORT_FILE = "opus-export.json"
+ONNX_FILE = "model.onnx"
+TENSORS_FILE = "tensors.safetensors"
+ERROR_FILE = "onnx_error.txt"
+FORMAT_VERSION = 1
+P_METHOD = ("greedy loop without KV cache (a full-sequence forward per generated token) on onnxruntime; "
+            "tokens/s = batch x new_tokens / seconds")
+D_METHOD = "one full-sequence forward of a single request of input_len tokens on onnxruntime"
+
+
+class LogitsOnly(nn.Module):
+    """``model(input_ids) -> float32 logits`` with no cache: the one signature the ONNX graph gets."""
+
+    def __init__(self, model: nn.Module, last_only: bool) -> None:
+        super().__init__()
+        self.model, self.last_only = model, last_only
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids, last_only=True) if self.last_only else self.model(input_ids)
+        return logits.float()
+
+
+def accepts_last_only(model: nn.Module) -> bool:
+    return "last_only" in inspect.signature(model.forward).parameters
+
+
+def vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    if getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise TypeError(f"{type(model).__name__} has no embedding: not a language model taking input_ids")
+    return int(embedding.num_embeddings)
+
+
+@dataclass
+class ExportSettings:
+    source: dict[str, Any]
+    base_dir: Path
+    dtype: str = "float32"
+    device: str = "cpu"
+    onnx: bool = True
+    prompts: list[str] = field(default_factory=lambda: ["def main():\n", "import os\nimport sys\n"])
+    prompt_len: int = 16  # random prompts of this length when the model has no tokenizer
+    greedy_tokens: int = 8
+    batch_size: int = 1
+    input_len: int = 64
+    new_tokens: int = 4
+    warmup: int = 1
+    repeats: int = 3
+    threads: int | None = None
+    last_only: bool = True  # export next-token logits only (when the model supports it)
+    seed: int = 0
+    progress: Callable[[str], None] = field(default=lambda what: None, repr=False)
+
+
+def make_prompts(tokenizer: Any, vocab: int, s: ExportSettings) -> list[torch.Tensor]:
+    if tokenizer is not None and hasattr(tokenizer, "encode"):
+        encoded = [tokenizer.encode(text) for text in s.prompts]
+        ids = [getattr(e, "ids", e) for e in encoded]  # tokenizers.Encoding or a list
+        prompts = [torch.tensor([list(i)], dtype=torch.long) for i in ids if len(i)]
+        if prompts:
+            return prompts
+    gen = torch.Generator().manual_seed(s.seed)
+    return [torch.randint(0, vocab, (1, s.prompt_len), generator=gen) for _ in range(max(1, len(s.prompts)))]
+
+
+def onnx_translations() -> dict[Any, Callable[..., Any]]:
+    """ONNX for the int8 kernels Opus's quantized linears call, which the exporter has no translation for.
+
+    ``_int_mm`` (W8A8) is ONNX's own MatMulInteger; ``_weight_int8pack_mm`` (W8A16) dequantizes the
+    int8 weight in the graph. The int4 (tinygemm-packed) and FP8 kernels have none: those modules
+    still fail to export, and the stage reports which op.
+    """
+    from onnxscript import opset18 as op
+
+    def int_mm(a: Any, b: Any) -> Any:
+        return op.MatMulInteger(a, b)
+
+    def weight_int8pack_mm(x: Any, weight: Any, scales: Any) -> Any:
+        # The kernel takes bf16 activations; onnxruntime's CPU MatMul has no bf16, so compute in fp32.
+        x32 = op.Cast(x, to=1)  # 1 = FLOAT
+        w32 = op.Transpose(op.Cast(weight, to=1), perm=[1, 0])
+        return op.CastLike(op.Mul(op.MatMul(x32, w32), op.Cast(scales, to=1)), x)
+
+    return {torch.ops.aten._int_mm.default: int_mm, torch.ops.aten._weight_int8pack_mm.default: weight_int8pack_mm}
+
+
+def export_onnx(wrapper: nn.Module, path: Path, example: torch.Tensor) -> None:
+    dims = {"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}}
+    torch.onnx.export(wrapper, (example,), str(path), dynamo=True, input_names=["input_ids"],
+                      output_names=["logits"], dynamic_shapes=dims, external_data=True, verbose=False,
+                      custom_translation_table=onnx_translations())
+
+
+def ort_session(path: Path, device: str, threads: int | None) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    providers = ["CPUExecutionProvider"]
+    if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    return ort.InferenceSession(str(path), options, providers=providers)
+
+
+def _greedy(step: Callable[[np.ndarray], np.ndarray], ids: np.ndarray, n: int) -> np.ndarray:
+    for _ in range(n):
+        nxt = step(ids)[:, -1].argmax(-1)
+        ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
+    return ids
+
+
+def parity(wrapper: nn.Module, session: Any, prompts: list[torch.Tensor], greedy_tokens: int) -> dict[str, float]:
+    """Max |logits difference| (torch vs ORT), next-token agreement, greedy-continuation agreement."""
+    from opus.quant.modules import int8_activations_at_every_size
+
+    def torch_step(ids: np.ndarray) -> np.ndarray:
+        with torch.no_grad(), int8_activations_at_every_size():
+            return wrapper(torch.from_numpy(ids).to(device)).cpu().numpy()
+
+    def ort_step(ids: np.ndarray) -> np.ndarray:
+        return session.run(["logits"], {"input_ids": ids})[0]
+
+    device = next(wrapper.parameters()).device
+    max_diff, next_agree, cont_agree, cont_total = 0.0, 0, 0, 0
+    for prompt in prompts:
+        ids = prompt.cpu().numpy().astype(np.int64)
+        ref, out = torch_step(ids), ort_step(ids)
+        max_diff = max(max_diff, float(np.abs(out - ref).max()))
+        next_agree += int(out[0, -1].argmax() == ref[0, -1].argmax())
+        a = _greedy(torch_step, ids, greedy_tokens)[:, ids.shape[1]:]
+        b = _greedy(ort_step, ids, greedy_tokens)[:, ids.shape[1]:]
+        cont_agree, cont_total = cont_agree + int((a == b).sum()), cont_total + a.size
+    return {"onnx_max_abs_diff": max_diff, "onnx_next_token_agreement": next_agree / len(prompts),
+            "onnx_greedy_agreement": cont_agree / max(cont_total, 1)}
+
+
+def _median_s(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_ort(session: Any, vocab: int, s: ExportSettings) -> dict[str, float]:
+    rng = np.random.default_rng(s.seed)
+    single = rng.integers(0, vocab, (1, s.input_len), dtype=np.int64)
+    batch = rng.integers(0, vocab, (s.batch_size, s.input_len), dtype=np.int64)
+
+    def step(ids: np.ndarray) -> np.ndarray:
+        return session.run(["logits"], {"input_ids": ids})[0]
+
+    ttft = _median_s(lambda: step(single), s.warmup, s.repeats)
+    loop = _median_s(lambda: _greedy(step, batch, s.new_tokens), min(s.warmup, 1), s.repeats)
+    return {"onnx_ttft_ms": ttft * 1000, "onnx_throughput_tok_s": s.batch_size * s.new_tokens / loop}
+
+
+def _absolute_source(source: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    out = dict(source)
+    for key in ("hf", "gguf"):
+        if key in out and not Path(out[key]).expanduser().is_absolute():
+            out[key] = str((base_dir / out[key]).resolve())
+    return out
+
+
+def one_line(exc: BaseException) -> str:
+    """The root cause's first line: the exporter's own top-level message is generic ("step 3/3 ...")."""
+    root, seen = exc, {id(exc)}
+    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
+        root = nxt
+        seen.add(id(root))
+    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(root).__name__}: {root}")
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(root).__name__)[:400]
+
+
+def _try_onnx(model: nn.Module, tokenizer: Any, out: Path, s: ExportSettings) -> tuple[dict, dict]:
+    metrics: dict[str, Any] = {"onnx_exported": 0}
+    info: dict[str, Any] = {}
+    try:
+        vocab = vocab_size(model)
+        last_only = s.last_only and accepts_last_only(model)
+        wrapper = LogitsOnly(model, last_only).eval()
+        prompts = make_prompts(tokenizer, vocab, s)
+        s.progress("exporting to ONNX (dynamo)")
+        export_onnx(wrapper, out / ONNX_FILE, prompts[0])
+        metrics["onnx_exported"] = 1
+        info["onnx_outputs"] = "next-token logits [batch, 1, vocab]" if last_only else "logits [batch, seq, vocab]"
+        s.progress("onnxruntime parity")
+        session = ort_session(out / ONNX_FILE, s.device, s.threads)
+        info["onnx_providers"] = session.get_providers()
+        metrics.update(parity(wrapper, session, prompts, s.greedy_tokens))
+        s.progress("onnxruntime P and D")
+        metrics.update(measure_ort(session, vocab, s))
+        info.update(onnx_p_method=P_METHOD, onnx_d_method=D_METHOD,
+                    onnx_workload={"batch_size": s.batch_size, "input_len": s.input_len,
+                                   "new_tokens": s.new_tokens, "repeats": s.repeats})
+    except Exception as exc:  # noqa: BLE001 - a module ONNX cannot express is a finding, not a crash
+        stage = "export" if not metrics["onnx_exported"] else "onnxruntime"
+        info["onnx_error"] = f"{stage}: {one_line(exc)} (full traceback in {ERROR_FILE})"
+        write_text(out / ERROR_FILE, "".join(traceback.format_exception(exc)))
+    return metrics, info
+
+
+def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final: Path,
+                 s: ExportSettings) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write the export directory at ``final`` (built beside it, swapped in whole); returns metrics, info."""
+    from safetensors.torch import save_file
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    out = new_temp_dir(final)
+    try:
+        s.progress("saving safetensors")
+        tensors, aliases = changed_tensors(model, {})  # no base marks: every tensor, shared storage once
+        save_file(tensors, str(out / TENSORS_FILE))
+        metrics: dict[str, Any] = {"export_tensors_mb": (out / TENSORS_FILE).stat().st_size / 2**20}
+        info: dict[str, Any] = {}
+        if s.onnx:
+            onnx_metrics, info = _try_onnx(model, tokenizer, out, s)
+            metrics.update(onnx_metrics)
+        onnx_files = sorted(out.glob(f"{ONNX_FILE}*"))
+        if onnx_files:
+            metrics["onnx_file_mb"] = sum(p.stat().st_size for p in onnx_files) / 2**20
+        record = {
+            "format": "opus-export", "version": FORMAT_VERSION,
+            "source": _absolute_source(s.source, s.base_dir), "base_dir": str(s.base_dir.resolve()),
+            "dtype": s.dtype, "device": s.device,
+            "state": {"recipe": list(state.get("recipe", [])), "tensors": TENSORS_FILE, "aliases": aliases},
+            "onnx": ONNX_FILE if metrics.get("onnx_exported") else None,
+            "files": {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()},
+            "metrics": metrics, "info": info,
+        }
+        write_json(out / EXPORT_FILE, record)
+        swap_in(out, final)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    return metrics, info
+
+
+def load_exported(export_dir: Path | str, device: str | None = None, verify: bool = True) -> Materialized:
+    """Rebuild an exported model: load its source, re-apply the recipe, load the exported tensors."""
+    from opus.models import load_model
+
+    export_dir = Path(export_dir)
+    record = read_json(export_dir / EXPORT_FILE)
+    if record.get("format") != "opus-export":
+        raise ValueError(f"{export_dir / EXPORT_FILE} is not an Opus export")
+    tensors = export_dir / record["state"]["tensors"]
+    if verify and sha256_file(tensors) != record["files"].get(tensors.name):
+        raise ValueError(f"{tensors} does not match its sha256 in {EXPORT_FILE}")
+    device = device or record["device"]
+    loaded = load_model(record["source"], Path(record["base_dir"]), dtype=record["dtype"], device=device)
+    model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+    return apply_state(model, tokenizer, record["state"], export_dir, device)

@@ -1,0 +1,113 @@
+"""The contract between the runner and a stage type.
+
+A stage type's entry function is ``run(ctx: StageContext, cfg: Config) -> StageResult``. It runs in
+a worker process; the runner never holds a model, so a crash, OOM or hang in a stage cannot take the
+run with it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opus.pipeline.spec import PipelineSpec
+
+
+@dataclass
+class UpstreamStage:
+    """A finished stage this one depends on (directly or transitively)."""
+
+    id: str
+    uses: str
+    key: str
+    status: str
+    metrics: dict[str, Any]
+    dir: Path
+    baseline: bool = False
+
+    def artifact(self, name: str) -> Path:
+        return self.dir / "artifacts" / name
+
+
+@dataclass
+class StageResult:
+    """What a stage returns.
+
+    ``model`` is the transformed model, or None when the incoming state passes through unchanged.
+    ``recipe`` lists the structural transforms (as data) this stage applied on top of the incoming
+    recipe, so that resume can rebuild the structure before loading tensors.
+    """
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    model: Any = None
+    recipe: list[dict[str, Any]] = field(default_factory=list)
+    baseline: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    run_dir: Path
+    stage_id: str
+    uses: str
+    spec: PipelineSpec
+    base_dir: Path
+    upstream: dict[str, UpstreamStage]
+    incoming: Path | None  # checkpoint directory whose model state this stage starts from
+    out_dir: Path  # the checkpoint being built; artifacts go under out_dir / "artifacts"
+    attempt: int = 0
+    remedy: dict[str, Any] | None = None
+    report: Callable[[dict[str, Any]], None] = field(default=lambda msg: None, repr=False)
+    _loaded: Any = field(default=None, repr=False)
+    _started: float = field(default_factory=time.monotonic, repr=False)
+
+    @property
+    def artifact_dir(self) -> Path:
+        path = self.out_dir / "artifacts"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def workload(self):  # noqa: ANN201 - WorkloadSpec
+        return self.spec.workload
+
+    @property
+    def baseline(self) -> dict[str, Any] | None:
+        """Metrics of the baseline measured earlier in this run, if any."""
+        for up in self.upstream.values():
+            if up.baseline:
+                return up.metrics
+        return None
+
+    def progress(self, done: float, total: float | None = None, what: str = "") -> None:
+        """Report progress; this is also the heartbeat the watchdog listens to."""
+        self.report({"t": "progress", "done": done, "total": total, "what": what})
+
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+        self.report({"t": "log", "message": message})
+
+    def load_model(self) -> Any:
+        """The incoming model state, materialized: ``Materialized(model, tokenizer, ...)``."""
+        if self._loaded is None:
+            from opus.pipeline.state import materialize  # torch is imported only by stages that need it
+
+            self._loaded = materialize(self.incoming, self.spec, self.base_dir)
+        return self._loaded
+
+    def write_artifact(self, name: str, obj: Any) -> Path:
+        from opus.atomic import write_bytes, write_text
+
+        path = self.artifact_dir / name
+        if isinstance(obj, bytes):
+            write_bytes(path, obj)
+        elif isinstance(obj, str):
+            write_text(path, obj)
+        else:
+            write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+        return path

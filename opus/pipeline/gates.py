@@ -1,0 +1,98 @@
+"""Gates: thresholds on any metric a stage reports, absolute or relative to this run's baseline."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from opus.pipeline.spec import Threshold
+
+# Short names users write in YAML -> the metric keys stages report.
+ALIASES = {
+    "throughput": "throughput_tok_s",
+    "p": "throughput_tok_s",
+    "ttft": "ttft_ms",
+    "d": "ttft_ms",
+    "memory": "peak_mem_mb",
+    "ppl": "perplexity",
+}
+
+RELATIVE_BOUNDS = {"min_ratio", "max_ratio", "max_increase", "max_decrease"}
+
+# Checked on every stage, gated or not: a NaN or infinite accuracy figure means a broken model,
+# whatever the stage's own gate says (a gate on speed alone must not pass a model that outputs NaN).
+ACCURACY_METRICS = ("perplexity", "top1_accuracy", "agreement", "agreement_free", "logits_cosine",
+                    "top5_overlap")
+
+
+def metric_key(name: str) -> str:
+    return ALIASES.get(name.lower(), name)
+
+
+def _passes(bound: str, limit: float, value: float, base: float | None) -> tuple[bool, float]:
+    """Return (passed, the compared quantity) for one bound."""
+    if bound == "min":
+        return value >= limit, value
+    if bound == "max":
+        return value <= limit, value
+    ratio = value / base if base else float("inf")
+    if bound == "min_ratio":
+        return ratio >= limit, ratio
+    if bound == "max_ratio":
+        return ratio <= limit, ratio
+    change = ratio - 1.0
+    if bound == "max_increase":
+        return change <= limit, change
+    return -change <= limit, -change  # max_decrease
+
+
+def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
+               baseline: dict[str, Any] | None) -> dict[str, Any]:
+    """Evaluate every bound; the verdict lists each check with threshold, measured and baseline."""
+    checks: list[dict[str, Any]] = []
+    for name, threshold in gate.items():
+        key = metric_key(name)
+        value = metrics.get(key)
+        for bound, limit in threshold.model_dump(exclude_none=True).items():
+            check = {"metric": key, "bound": bound, "threshold": limit, "measured": value}
+            base = (baseline or {}).get(key)
+            if bound in RELATIVE_BOUNDS:
+                check["baseline"] = base
+            if not isinstance(value, (int, float)):
+                check.update(passed=False, reason=f"the stage did not report '{key}'")
+            elif not math.isfinite(value):
+                check.update(passed=False, reason=f"{key} is {value} (not finite)")
+            elif bound in RELATIVE_BOUNDS and not isinstance(base, (int, float)):
+                check.update(passed=False, reason=f"no baseline value of '{key}' in this run")
+            else:
+                passed, compared = _passes(bound, float(limit), float(value), base)
+                check.update(passed=passed, compared=compared)
+                if not passed:
+                    check["reason"] = f"{key} {bound} {limit}: measured {compared:.4g}"
+            checks.append(check)
+    checks += _finite_checks(metrics, {c["metric"] for c in checks})
+    return {"passed": all(c["passed"] for c in checks), "checks": checks}
+
+
+def _finite_checks(metrics: dict[str, Any], gated: set[str]) -> list[dict[str, Any]]:
+    """One check per reported accuracy metric not already gated: passed when it is a finite number."""
+    out = []
+    for key in ACCURACY_METRICS:
+        value = metrics.get(key)
+        if key in gated or not isinstance(value, (int, float)):
+            continue
+        check = {"metric": key, "bound": "finite", "threshold": None, "measured": value,
+                 "passed": math.isfinite(value)}
+        if not check["passed"]:
+            check["reason"] = f"{key} is {value} (not finite): the model's output is broken"
+        out.append(check)
+    return out
+
+
+def verified(verdict: dict[str, Any] | None) -> bool:
+    """True when a verdict checked something and everything it checked passed."""
+    return bool(verdict and verdict["checks"] and verdict["passed"])
+
+
+def first_failure(verdict: dict[str, Any]) -> dict[str, Any] | None:
+    return next((c for c in verdict["checks"] if not c["passed"]), None)

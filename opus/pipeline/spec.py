@@ -1,0 +1,243 @@
+"""The pipeline spec: pydantic models (extra keys forbidden) and the loader that maps errors to lines."""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from opus.errors import InputError
+from opus.pipeline.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines, parse_yaml
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ModelSpec(Strict):
+    hf: str | None = None
+    gguf: str | None = None
+    factory: str | None = None
+    args: dict[str, Any] = Field(default_factory=dict)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        given = [k for k in ("hf", "gguf", "factory") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give exactly one model source: hf, gguf or factory")
+        if self.factory and ":" not in self.factory:
+            raise ValueError("factory must look like 'package.module:function'")
+        return self
+
+    def source(self) -> dict[str, Any]:
+        if self.factory:
+            return {"factory": self.factory, "args": dict(self.args)}
+        return {"hf": self.hf} if self.hf else {"gguf": self.gguf}
+
+
+class TextSetSpec(Strict):
+    """Text declared once for any model: files/globs or a dataset saved with ``save_to_disk``."""
+
+    files: list[str] | None = None
+    dataset: str | None = None
+    split: str | None = None  # the split of a DatasetDict (needed when it holds more than one)
+    text_column: str = "text"
+    samples: int = Field(32, gt=0)
+    seq_len: int = Field(256, gt=1)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> TextSetSpec:
+        if (self.files is None) == (self.dataset is None):
+            raise ValueError("give exactly one of files or dataset")
+        if self.split is not None and self.dataset is None:
+            raise ValueError("split names a split of a dataset; it needs dataset, not files")
+        return self
+
+
+class DataSpec(Strict):
+    calibration: TextSetSpec | None = None
+    evaluation: TextSetSpec | None = None
+
+
+class WorkloadSpec(Strict):
+    batch_size: int = Field(32, gt=0)
+    input_len: int = Field(512, gt=0)
+    output_len: int = Field(128, gt=0)
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(3, gt=0)
+
+
+class RunSpec(Strict):
+    stage_timeout_s: float | None = Field(None, gt=0)
+    stall_timeout_s: float = Field(1800.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=20)
+    min_free_disk_mb: int = Field(256, ge=0)
+    threads: int | None = Field(None, gt=0)
+    track: Literal["none", "git"] = "none"
+    # An earlier run whose timing decisions this one replays (opus.pipeline.replay); `opus run --decisions-from`.
+    decisions_from: str | None = None
+
+
+class Threshold(Strict):
+    min: float | None = None
+    max: float | None = None
+    min_ratio: float | None = None
+    max_ratio: float | None = None
+    max_increase: float | None = None
+    max_decrease: float | None = None
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> Threshold:
+        if all(v is None for v in self.model_dump().values()):
+            raise ValueError("a threshold needs at least one of " + ", ".join(Threshold.model_fields))
+        return self
+
+
+class StageSpec(Strict):
+    id: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    uses: str
+    with_: dict[str, Any] = Field(default_factory=dict, alias="with")
+    needs: list[str] = Field(default_factory=list)
+    gate: dict[str, Threshold] = Field(default_factory=dict)
+    on_fail: Literal["retry", "skip", "abort"] = "skip"
+    retries: int | None = Field(None, ge=0, le=20)
+    timeout_s: float | None = Field(None, gt=0)
+    description: str | None = None  # cosmetic: not part of the stage key
+
+    @field_validator("needs", mode="before")
+    @classmethod
+    def _one_need(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class PipelineSpec(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+    description: str | None = None
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    run: RunSpec = Field(default_factory=RunSpec)
+    stages: list[StageSpec] = Field(min_length=1)
+
+    def stage(self, stage_id: str) -> StageSpec:
+        return next(s for s in self.stages if s.id == stage_id)
+
+
+@dataclass
+class LoadedPipeline:
+    """A validated spec plus what is needed to point back into the YAML."""
+
+    spec: PipelineSpec
+    raw: dict[str, Any]
+    path: Path
+    base_dir: Path
+    lines: dict[Loc, int] = field(default_factory=dict)
+    override_keys: set[Loc] = field(default_factory=set)
+
+    def error(self, message: str, loc: Loc) -> InputError:
+        loc = tuple(loc)
+        for override in self.override_keys:
+            if loc[: len(override)] == override or override[: len(loc)] == loc:
+                return InputError(message, file="--set", key=dotted(loc))
+        return InputError(message, file=str(self.path), line=line_of(self.lines, loc), key=dotted(loc))
+
+    def stage_loc(self, stage_id: str) -> Loc:
+        return ("stages", next(i for i, s in enumerate(self.spec.stages) if s.id == stage_id))
+
+
+def _override_loc(data: dict[str, Any], dotted_key: str) -> Loc:
+    """Turn ``stages.quantize.with.alpha`` into a key path; stages are addressed by id or index."""
+    parts: list[Any] = dotted_key.split(".")
+    if parts[0] == "stages" and len(parts) > 1:
+        stages = data.get("stages") or []
+        ids = [s.get("id") if isinstance(s, dict) else None for s in stages]
+        if parts[1] in ids:
+            parts[1] = ids.index(parts[1])
+        elif parts[1].isdigit() and int(parts[1]) < len(stages):
+            parts[1] = int(parts[1])
+        else:
+            raise InputError(f"no stage with id '{parts[1]}' (stages: {', '.join(map(str, ids))})",
+                             file="--set", key=dotted_key)
+    return tuple(parts)
+
+
+def _override_value(text: str, key: str) -> Any:
+    """A value on the command line is YAML too, with the same limits as a pipeline file."""
+    try:
+        return parse_yaml(text, "--set")[0]
+    except InputError as exc:
+        raise InputError(exc.message, file="--set", key=key) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> set[Loc]:
+    """Apply ``dotted.key=value`` strings in place (values parsed as YAML scalars)."""
+    touched: set[Loc] = set()
+    for item in overrides:
+        if "=" not in item:
+            raise InputError("expected dotted.key=value", file="--set", key=item)
+        key, _, text = item.partition("=")
+        loc = _override_loc(data, key.strip())
+        node: Any = data
+        for part in loc[:-1]:
+            if isinstance(node, list):
+                node = node[part]
+            else:
+                node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise InputError("cannot set a key inside a scalar", file="--set", key=key)
+        node[loc[-1]] = _override_value(text, key) if text.strip() else None
+        touched.add(loc)
+    return touched
+
+
+def _check_paths(loaded: LoadedPipeline) -> None:
+    """Paths that must exist before anything runs: the model source and the data files."""
+    spec, base = loaded.spec, loaded.base_dir
+    for key in ("hf", "gguf"):
+        value = getattr(spec.model, key)
+        if value and not (base / value).exists():
+            raise loaded.error(f"model path does not exist: {base / value}", ("model", key))
+    for set_name in ("calibration", "evaluation"):
+        text_set = getattr(spec.data, set_name)
+        if text_set is None:
+            continue
+        if text_set.dataset and not (base / text_set.dataset).exists():
+            raise loaded.error(f"dataset directory does not exist: {base / text_set.dataset}",
+                               ("data", set_name, "dataset"))
+        for index, pattern in enumerate(text_set.files or []):
+            if not glob.glob(str(base / pattern), recursive=True):
+                raise loaded.error(f"no file matches '{pattern}' (relative to {base})",
+                                   ("data", set_name, "files", index))
+
+
+def load_pipeline(path: Path | str, overrides: list[str] | None = None,
+                  base_dir: Path | None = None, check_paths: bool = True) -> LoadedPipeline:
+    """Read, override and validate a pipeline file; every failure is an InputError naming the line."""
+    path = Path(path)
+    data, lines = load_yaml_with_lines(path)
+    if not isinstance(data, dict):
+        raise InputError("a pipeline must be a YAML mapping", file=str(path), line=1)
+    touched = apply_overrides(data, overrides or [])
+    loaded = LoadedPipeline(spec=None, raw=data, path=path,  # type: ignore[arg-type]
+                            base_dir=(base_dir or path.parent).resolve(), lines=lines,
+                            override_keys=touched)
+    try:
+        loaded.spec = PipelineSpec.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and "[" in p))
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = f"unknown key '{loc[-1]}'"
+        elif "input" in first and not isinstance(first["input"], (dict, list)):
+            message += f" (got {first['input']!r})"
+        raise loaded.error(message, loc) from None
+    if check_paths:
+        _check_paths(loaded)
+    return loaded

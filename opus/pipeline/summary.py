@@ -1,0 +1,43 @@
+"""``summary.json``: the run's verdict first, then baseline and final measures, stages and rollbacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opus.pipeline.verdict import final_record, slowdown_warnings
+from opus.runtime.noise import spread_key
+
+MEASURES = ("throughput_tok_s", "ttft_ms", "perplexity", "peak_mem_mb")
+FINAL_EXTRA = ("agreement", "logits_cosine", "top5_overlap", "top1_accuracy")
+
+
+def _pick(metrics: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    picked = {k: metrics.get(k) for k in keys}
+    # The spreads travel with the figures so that compare and the report can tell noise from change.
+    picked.update({spread_key(k): metrics[spread_key(k)] for k in keys if spread_key(k) in metrics})
+    return picked
+
+
+def build_summary(run_id: str, status: str, records: list[dict[str, Any]], rollbacks: list[dict[str, Any]],
+                  error: str | None = None, reasons: list[str] | None = None) -> dict[str, Any]:
+    baseline = next((r["metrics"] for r in records if r.get("baseline") and r["status"] in ("done", "cached")), {})
+    chosen = final_record(records) if status in ("finished", "degraded") else None
+    final = _pick(chosen["metrics"], MEASURES + FINAL_EXTRA) if chosen else {}
+    ratios = {}
+    for key in MEASURES:
+        new, old = final.get(key), baseline.get(key)
+        if isinstance(new, (int, float)) and isinstance(old, (int, float)) and old:
+            ratios[key] = round(new / old, 4)
+    return {
+        "status": status,
+        "run_id": run_id,
+        "reasons": reasons or [],
+        "warnings": slowdown_warnings(baseline, final) if chosen else [],
+        "error": error,
+        "baseline": _pick(baseline, MEASURES + ("top1_accuracy",)),
+        "final": final,
+        "final_stage": chosen["id"] if chosen else None,
+        "ratios": ratios,
+        "stages": records,
+        "rollbacks": rollbacks,
+    }

@@ -1,0 +1,177 @@
+"""From a model and calibration text to a plan document: the mechanism behind the ``plan`` stage."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from opus.quant.calibrate import ActivationStats
+from opus.quant.formats import FORMATS, LADDER, check_format
+from opus.quant.groups import QGroup, build_groups, matches
+from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
+from opus.quant.sensitivity import measure_sensitivity
+from opus.quant.smooth import apply_smoothing, smooth_groups
+from opus.quant.speed import KernelTimer, group_rounds_ms
+from opus.quant.validate import PLAN, check_end_to_end
+from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
+
+Progress = Callable[[float, float, str], None]
+ACT_FORMATS = ("w8a8", "w8a8_tensor", "fp8")
+# Between formats as accurate as each other, the one higher up the accuracy ladder is the simpler.
+SIMPLICITY = {fmt: rank for rank, fmt in enumerate(reversed(LADDER))}
+
+
+@dataclass
+class PlanRequest:
+    formats: list[str]
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    force: dict[str, str] = field(default_factory=dict)
+    budget_kind: str = "ppl"
+    budget_value: float = 0.02
+    safety: float = 0.7
+    group_size: int = 128
+    validate: bool = False  # time the plan and the uniform alternatives end to end (opus.quant.validate)
+    rounds: int = DEFAULT_ROUNDS  # interleaved timing rounds per decision (opus.runtime.choose)
+
+
+def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
+    usable = []
+    for fmt in formats:
+        try:
+            check_format(fmt, device)
+            usable.append(fmt)
+        except ValueError as exc:
+            notes.append(f"{fmt} not considered: {exc}")
+    return usable
+
+
+def _forced(group: QGroup, force: dict[str, str]) -> str | None:
+    for pattern, fmt in force.items():
+        if any(matches(m, [pattern]) for m in group.modules):
+            return fmt
+    return None
+
+
+def _cost(kind: str, fmt: str, params: int, dce: float | None) -> float:
+    if kind == "ppl":
+        return max(dce or 0.0, 0.0) if fmt != "fp32" else 0.0
+    bits = FORMATS[fmt].weight_bits
+    return params * bits / 8 if kind == "memory" else params * bits
+
+
+def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, request: PlanRequest,
+              workload: Any, progress: Progress | None = None) -> tuple[dict[str, Any], list[Decision]]:
+    """Score every group in every format, time the kernels, solve the budget, explain each choice.
+
+    Returns the plan document and the timing decisions behind it (one per group, and the end-to-end
+    check's), for ``decisions.json``."""
+    device = str(next(model.parameters()).device)
+    dtype = next(model.parameters()).dtype
+    notes: list[str] = []
+    formats = usable_formats(request.formats, device, notes)
+    # A tied lm_head costs memory when quantized (its own copy): planned under a perplexity budget only.
+    groups = build_groups(model, request.include, request.exclude, tied=request.budget_kind == "ppl")
+    forced = {g.name: _forced(g, request.force) for g in groups}
+    free = [g for g in groups if not forced[g.name]]
+    pristine = copy.deepcopy(model) if request.validate else None  # before smoothing, below, changes it
+    plain = [f for f in formats if f not in ACT_FORMATS]
+    act = [f for f in formats if f in ACT_FORMATS]
+    total = len(free) * len(formats)
+    scores = measure_sensitivity(model, free, plain, blocks, group_size=request.group_size, progress=progress,
+                                 total=total)
+    if act:  # activation formats are scored as they will run: after SmoothQuant (exact in float)
+        apply_smoothing(model, stats, smooth_groups(model))
+        more = measure_sensitivity(model, free, act, blocks, group_size=request.group_size, progress=progress,
+                                   done=len(free) * len(plain), total=total)
+        for name, by_fmt in more.items():
+            scores.setdefault(name, {}).update(by_fmt)
+    cfg = getattr(model, "config", None)
+    experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 0) or 0
+    timer = KernelTimer(device, dtype, request.group_size, request.rounds)
+    choices, decisions = [], []
+    for index, group in enumerate(groups):
+        linears = [model.get_submodule(m) for m in group.modules]
+        force = forced[group.name]
+        timeable = _timeable(group, linears, force, formats, scores.get(group.name, {}), request.group_size, notes)
+        samples = group_rounds_ms(timer, timeable, group.modules, linears, group.role, workload, experts, top_k)
+        choice, decision = _group_choice(group, linears, force, samples, scores.get(group.name, {}),
+                                         request.budget_kind)
+        choices.append(choice)
+        decisions.append(decision)
+        if progress:
+            progress(index + 1, len(groups), f"kernel timing {group.name}")
+    total_params = sum(c.params for c in choices)
+    value = request.budget_value * (request.safety if request.budget_kind == "ppl" else 1.0)
+    limit = budget_limit(request.budget_kind, value, total_params)
+    chosen = solve(choices, limit)
+    report = None
+    if pristine is not None:
+        chosen, report, more, checked = check_end_to_end(pristine, choices, chosen, formats, limit, stats,
+                                                         request.group_size, workload, blocks, progress,
+                                                         rounds=request.rounds)
+        notes.extend(more)
+        decisions += [checked] if checked else []
+    for choice, decision in zip(choices, decisions):  # the pick alone is not the plan: budget, rules, check
+        if chosen[choice.name].fmt != decision.winner:
+            decision.reason += f"; the plan has {chosen[choice.name].fmt} (its reason is in plan.yaml)"
+    budget = {"kind": request.budget_kind, "value": request.budget_value, "safety": request.safety}
+    doc = plan_document(choices, chosen, budget, limit)
+    if report:
+        doc["measured"] = report
+        if report["kept"] != PLAN:
+            for entry in doc["groups"]:
+                if not entry["reason"].startswith("forced"):
+                    entry["reason"] = (f"{report['kept']} kept by the end-to-end check; "
+                                       f"kernel view: {entry['reason']}")
+    doc["notes"] = notes
+    doc["group_size"] = request.group_size
+    return doc, decisions
+
+
+def _timeable(group: QGroup, linears: list[nn.Linear], force: str | None, formats: list[str],
+              scores: dict[str, Any], group_size: int, notes: list[str]) -> list[str]:
+    """The formats to time for a group: float, and those scored whose kernel takes every layer."""
+    out = []
+    for fmt in dict.fromkeys(["fp32", force] if force else ["fp32", *formats]):
+        reason = next(filter(None, (FORMATS[fmt].unsupported(lin, group_size) for lin in linears)), None)
+        if reason:
+            if fmt == force:
+                raise ValueError(f"rule forces {group.name} to {fmt}, but {reason}")
+            notes.append(f"{group.name}: {fmt} not possible: {reason}")
+        elif fmt == "fp32" or fmt == force or fmt in scores:
+            out.append(fmt)
+    return out
+
+
+def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, samples: dict[str, list[float]],
+                  scores: dict[str, Any], budget_kind: str) -> tuple[GroupChoice, Decision]:
+    """The group's candidates, each timed as the shared rule counts it (opus.runtime.choose.credible)."""
+    params = sum(lin.weight.numel() for lin in linears)
+    dce = {fmt: scores.get(fmt, {}).get("dce") for fmt in samples}
+    options = [Option(fmt, error=max(dce[fmt] or 0.0, 0.0), simplicity=SIMPLICITY[fmt]) for fmt in samples]
+    decision = decide_from(f"kernel formats: {group.name}", options, samples, unit="ms")
+    counted = credible(decision)
+    candidates = [Candidate(fmt, counted[fmt], _cost(budget_kind, fmt, params, dce[fmt]), dce[fmt],
+                            scores.get(fmt, {}).get("kl"), measured_ms=decision.medians[fmt]) for fmt in samples]
+    choice = GroupChoice(group.name, group.role, group.modules, decision.medians["fp32"], candidates, force, params,
+                         margin=decision.margin)
+    return choice, decision
+
+
+def assignment_from_plan(doc: dict[str, Any]) -> dict[str, str]:
+    """Module name -> format, from a (possibly hand-edited) plan document."""
+    out: dict[str, str] = {}
+    for index, group in enumerate(doc.get("groups", [])):
+        fmt = group.get("format")
+        if fmt not in FORMATS:
+            raise ValueError(f"groups[{index}] ({group.get('name')}): unknown format '{fmt}' "
+                             f"(known: {', '.join(FORMATS)})")
+        for module in group.get("modules", []):
+            out[module] = fmt
+    return out

@@ -1,0 +1,1 @@
+"""The model runtime: generation (engine), measurement (metrics, noise, choose), profiling, data and export."""

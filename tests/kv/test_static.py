@@ -1,0 +1,153 @@
+"""The static KV cache: eager and compiled decode steps give the engine's tokens; by_batch picks per batch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from opus.bench.torch_contenders import find_cxx
+from opus.kv import static as static_cache
+from opus.kv.cache import BY_BATCH, GrowingKVCache, by_batch_config, cache_factory, make_cache
+from opus.kv.static import DecodeView, StaticKVCache, cache_config
+from opus.runtime.engine import generate
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "fusion"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "quant"))
+from fusion_kit import prompts, tiny_lm  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+needs_cxx = pytest.mark.skipif(find_cxx() is None, reason="inductor's CPU backend needs a C++ compiler; none found")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_eager_static_decode_gives_the_growing_caches_logits(family):
+    model = tiny_lm(family)
+    ids = prompts(2, 10)
+    want = generate(model, ids, 6, cache_factory(model), return_logits=True)
+    got = generate(model, ids, 6, cache_factory(model, cache_config(compile_decode=False)), return_logits=True)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+
+
+def test_slots_round_up_and_the_cache_refuses_what_does_not_fit():
+    model = tiny_lm("llama")
+    cache = cache_factory(model, cache_config(False, slot_multiple=16))(2, 17)
+    assert isinstance(cache, StaticKVCache) and cache.slots == 32
+    with torch.inference_mode():
+        model(prompts(2, 30), cache=cache, start_pos=0)
+        with pytest.raises(ValueError, match="decode at position 29, but the static KV cache holds 30"):
+            model(prompts(2, 1), cache=cache, start_pos=29)
+        model(prompts(2, 1), cache=cache, start_pos=30)
+        model(prompts(2, 1), cache=cache, start_pos=31)
+        with pytest.raises(ValueError, match="33 positions exceed the static KV cache's 32 slots"):
+            model(prompts(2, 1), cache=cache, start_pos=32)
+        with pytest.raises(ValueError, match="batch 1 does not match the static KV cache's 2"):
+            model(prompts(1, 4), cache=cache_factory(model, cache_config(False))(2, 8), start_pos=0)
+
+
+def test_decode_view_masks_the_slots_past_the_position():
+    k = [torch.zeros(1, 1, 4, 2)]
+    view = DecodeView(k, [k[0].clone()], torch.arange(4), torch.tensor([1]))
+    assert view.mask.tolist() == [[True, True, False, False]]
+    view.update(0, torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    assert k[0][0, 0, :, 0].tolist() == [0.0, 1.0, 0.0, 0.0]  # written in place, at the position
+
+
+def mixed_formats(name: str) -> str:
+    """int4 experts and lm_head (inductor cannot lower torch's int4 CPU kernel itself), int8 attention."""
+    return "w4a16" if ".experts." in name or name == "lm_head" else "w8a16"
+
+
+@needs_cxx
+@pytest.mark.parametrize("formats", [lambda _: "w8a8", mixed_formats], ids=["w8a8", "w4a16+w8a16"])
+@torch.no_grad()
+def test_compiled_decode_of_a_quantized_fused_moe_gives_the_eager_tokens_with_one_graph(monkeypatch, formats):
+    from tiny import blocks, tiny_decoder
+
+    from opus.fusion import FusionConfig, fuse_model, lm_probe
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+
+    model = tiny_decoder("mixtral", seed=3)
+    data = blocks(2, 16)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith(".gate")]
+    quantize_model(model, {n: formats(n) for n in names}, collect_stats(model, data), group_size=64)
+    model = fuse_model(model, FusionConfig(), lm_probe(data)).model
+    ids = blocks(1, 12, seed=5)
+    want = generate(model, ids, 8, cache_factory(model, cache_config(False)), return_logits=True)
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    got = generate(model, ids, 8, cache_factory(model, cache_config(True)), return_logits=True)
+    assert static_cache.NOTES == []  # compiled, not the eager fallback
+    assert counters["unique_graphs"] - before == 1  # every position ran the same graph: no recompiles
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-4)
+
+
+@needs_cxx
+def test_a_decode_step_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch):
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    model = tiny_lm("llama", hidden_size=24, seed=7)  # a shape no earlier test compiled (no cache hit)
+    ids = prompts(1, 5)
+    want = generate(model, ids, 4).tokens
+    with inductor.patch({"cpp.cxx": ("/nonexistent/opus-test-cxx",)}):
+        got = generate(model, ids, 4, cache_factory(model, cache_config(True))).tokens
+    assert torch.equal(got, want)
+    assert len(static_cache.NOTES) == 1 and "decode step not compiled, runs eagerly" in static_cache.NOTES[0]
+
+
+def test_options_are_checked_by_name():
+    model = tiny_lm("llama")
+    with pytest.raises(ValueError, match="no option slots"):
+        cache_factory(model, {"kind": "static", "slots": 4})
+    with pytest.raises(ValueError, match="slot_multiple must be a positive integer"):
+        cache_factory(model, {"kind": "static", "slot_multiple": 0})
+
+
+def test_by_batch_builds_each_batch_sizes_cache():
+    config = by_batch_config([(1, cache_config(False)), (None, {"kind": "growing"})])
+    assert config["kind"] == BY_BATCH
+    model = tiny_lm("llama")
+    cfg = model.config
+    assert isinstance(make_cache(config, cfg, 1, 8), StaticKVCache)
+    assert isinstance(make_cache(config, cfg, 2, 8), GrowingKVCache)
+    ids = prompts(3, 7)
+    assert torch.equal(generate(model, ids, 5, cache_factory(model, config)).tokens, generate(model, ids, 5).tokens)
+
+
+@pytest.mark.parametrize("rules, message", [
+    ([], "takes one option, rules"),
+    ([{"up_to": 1, "cache": {"kind": "growing"}}], "rule 0: expected .* the last without up_to"),
+    ([{"cache": {"kind": "growing"}}, {"cache": {"kind": "growing"}}], "rule 0: expected .* with up_to"),
+    ([{"up_to": 1, "cache": {"kind": "nope"}}, {"cache": {"kind": "growing"}}], "unknown KV cache kind 'nope'"),
+])
+def test_by_batch_rules_are_checked(rules, message):
+    with pytest.raises(ValueError, match=message):
+        cache_factory(tiny_lm("llama"), {"kind": BY_BATCH, "rules": rules})
+
+
+def test_a_cache_choice_reads_as_one_line():
+    from opus.kv.cache import describe_cache
+
+    config = by_batch_config([(1, cache_config(True)), (8, {"kind": "growing"}), (None, {"kind": "pooled"})])
+    assert describe_cache(config) == "static, compiled decode up to batch 1; growing up to batch 8; pooled above"
+    assert describe_cache(None) == "growing"
+
+
+@needs_cxx
+def test_each_model_runs_its_own_compiled_step(monkeypatch):
+    """Two models of one structure: the second must not run the first one's graph or weights."""
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    ids = prompts(1, 6)
+    for seed in (11, 12):
+        model = tiny_lm("qwen3", seed=seed)
+        want = generate(model, ids, 5, return_logits=True)
+        got = generate(model, ids, 5, cache_factory(model, cache_config(True)), return_logits=True)
+        assert torch.allclose(got.logits, want.logits, atol=1e-4), seed
+    assert static_cache.NOTES == []

@@ -1,0 +1,47 @@
+"""The rooms of ``opus`` and which way imports run (README, Layout): a module never imports a room above its own."""
+
+from __future__ import annotations
+
+import pkgutil
+
+import opus
+from opus.pipeline.code_reach import imports_of
+
+# Lower first. A room may import its own modules and any room below it, never one above.
+ROOMS = ["opus.errors", "opus.atomic", "opus.moved", "opus.recipe", "opus.models", "opus.kv", "opus.runtime",
+         "opus.quant", "opus.fusion", "opus.gpu", "opus.pipeline", "opus.export", "opus.report", "opus.bench",
+         "opus.cli"]
+SAME_LEVEL = {"opus.report": 0, "opus.bench": 0}  # neither imports the other
+
+
+def _room(module: str) -> str | None:
+    return next((r for r in sorted(ROOMS, key=len, reverse=True) if module == r or module.startswith(r + ".")),
+                None)
+
+
+def _level(room: str) -> int:
+    return ROOMS.index("opus.report") if room in SAME_LEVEL else ROOMS.index(room)
+
+
+def test_every_module_lives_in_a_room() -> None:
+    modules = [m.name for m in pkgutil.walk_packages(opus.__path__, "opus.")]
+    assert [m for m in modules if _room(m) is None] == []
+
+
+def test_imports_run_downwards_only() -> None:
+    upward = []
+    for info in pkgutil.walk_packages(opus.__path__, "opus."):
+        room = _room(info.name)
+        for imported in imports_of(info.name):
+            target = _room(imported)
+            if target and target != room and (_level(target) > _level(room) or
+                                              (target in SAME_LEVEL and room in SAME_LEVEL)):
+                upward.append(f"{info.name} -> {imported}")
+    assert upward == []
+
+
+def test_opus_never_imports_the_stage_types() -> None:
+    """Stage types import opus, never the reverse (the brief's rule)."""
+    found = [f"{m.name} -> {i}" for m in pkgutil.walk_packages(opus.__path__, "opus.")
+             for i in imports_of(m.name) if i == "stages" or i.startswith("stages.")]
+    assert found == []
