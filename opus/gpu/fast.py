@@ -22,6 +22,7 @@ from opus.gpu.experts import StackedExperts, grouped_mm_reason
 from opus.gpu.qlinear import format_of, fuse_linears, module_bytes, quantize_linear
 from opus.kv.cuda_graph import StaticKVCache
 from opus.models.decoder import DecoderLM, SparseMoE, apply_rope
+from opus.models.layout import DECODER
 
 
 class FusedMLP(nn.Module):
@@ -43,8 +44,7 @@ class FastLayer(nn.Module):
     def __init__(self, layer: nn.Module, quant: str | None, quant_experts: bool, notes: list[str], i: int) -> None:
         super().__init__()
         attn = layer.self_attn
-        _require_float(f"layer {i}", {"q_proj": attn.q_proj, "k_proj": attn.k_proj, "v_proj": attn.v_proj,
-                                      "o_proj": attn.o_proj})
+        _require_float(f"layer {i}", {n: getattr(attn, n) for n in (*DECODER.qkv, DECODER.o_proj)})
         self.input_layernorm, self.post_attention_layernorm = layer.input_layernorm, layer.post_attention_layernorm
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.qkv, why = quantize_linear(fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]), quant)
@@ -54,8 +54,7 @@ class FastLayer(nn.Module):
             self.mlp: nn.Module = StackedExperts(layer.mlp, quant if quant_experts else None)
             notes.extend(f"layer {i}: {n}" for n in self.mlp.notes)
         else:
-            _require_float(f"layer {i} mlp", {n: getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj",
-                                                                                         "down_proj")})
+            _require_float(f"layer {i} mlp", {n: getattr(layer.mlp, n, None) for n in DECODER.swiglu})
             self.mlp = FusedMLP(layer.mlp, quant, notes, f"layer {i} mlp")
 
 
