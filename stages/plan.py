@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from opus.errors import InputError
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.quant.calibrate import collect_stats
+from opus.quant.formats import FORMATS, known
 from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.runtime.data import load_blocks
@@ -46,8 +46,8 @@ class Budget(BaseModel):
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    formats: list[Literal["w8a8", "w8a8_tensor", "w8a16", "w4a16", "fp8", "bf16", "fp16"]] = \
-        Field(default_factory=lambda: ["w8a8", "w8a16", "w4a16"])
+    formats: list[str] = Field(default_factory=lambda: ["w8a8", "w8a16", "w4a16"],
+                               description="formats to consider (opus.quant.formats); float is always one")
     include: list[str] = Field(default_factory=list, description="module-name globs to plan (default: all)")
     exclude: list[str] = Field(default_factory=list, description="module-name globs kept float")
     force: dict[str, str] = Field(default_factory=lambda: {"*.mlp.gate": "fp32", "*shared_expert_gate": "fp32"})
@@ -62,6 +62,17 @@ class Config(BaseModel):
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
                         "(kernel timing, end-to-end check); their spread sets the noise margin (opus.runtime.choose)")
+
+    @field_validator("formats")
+    @classmethod
+    def _registered(cls, formats: list[str]) -> list[str]:
+        """Names are checked against the format registry, so a newly registered format is accepted as is;
+        the float no-op is not a choice to list (every group is always timed in it)."""
+        allowed = known(plannable=True)
+        unknown = [f for f in formats if f not in FORMATS or f not in allowed]
+        if unknown:
+            raise ValueError(f"unknown format {', '.join(map(repr, unknown))} (known: {', '.join(allowed)})")
+        return formats
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:

@@ -8,9 +8,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from opus.pipeline.context import StageContext, StageResult
+from opus.pipeline.contracts import Failure
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
-from opus.quant.formats import promote
+from opus.quant.formats import is_noop, noop_name, promote
 from opus.quant.plan import assignment_from_plan
 from opus.runtime.data import load_blocks
 from opus.runtime.metrics import Progress, evaluate_lm, model_mb
@@ -39,12 +40,12 @@ def _plan(ctx: StageContext) -> tuple[dict[str, Any], ActivationStats]:
 
 def promoted_groups(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
     """The ``count`` quantized groups whose assigned format hurts most, each promoted one step."""
-    quantized = [g for g in doc["groups"] if g["format"] != "fp32"]
+    quantized = [g for g in doc["groups"] if not is_noop(g["format"])]
     ranked = sorted(quantized, key=lambda g: g.get("score", {}).get(g["format"], 0.0), reverse=True)
     allowed = sorted({f for g in doc["groups"] for f in g.get("time_ms", {})})
     changes = []
     for group in ranked[:count]:
-        new = promote(group["format"], allowed) or "fp32"
+        new = promote(group["format"], allowed) or noop_name()
         changes.append({"group": group["name"], "from": group["format"], "to": new})
         group["format"] = new
     return changes
@@ -68,8 +69,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
                        info={"promoted": changes, "smoothing_alpha": step["smoothing_alpha"]})
 
 
-def remedy(cfg: Config, failure: dict[str, Any]) -> Config | None:
+def remedy(cfg: Config, failure: Failure) -> Config | None:
     """An accuracy gate failed: promote the next most sensitive groups one step up."""
-    if failure.get("metric") not in ACCURACY_METRICS:
+    if failure.metric not in ACCURACY_METRICS:
         return None
     return cfg.model_copy(update={"promote": cfg.promote + cfg.promote_step})

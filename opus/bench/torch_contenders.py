@@ -78,7 +78,7 @@ def _weight_only(fmt: str) -> Callable[[BenchContext], Built]:
         from opus.quant.groups import uniform_assignment
 
         try:
-            check_format(fmt, ctx.device)
+            found = check_format(fmt, ctx.device)
         except ValueError as exc:
             raise Unavailable(str(exc)) from None
         model = ctx.load("float32")
@@ -86,7 +86,7 @@ def _weight_only(fmt: str) -> Callable[[BenchContext], Built]:
         if not assignment:
             raise Unavailable(f"no layer fits the {fmt} kernel: {next(iter(skipped.values()), 'no linear layers')}")
         quantize_model(model, assignment, None, group_size=ctx.group_size)
-        size = f", group size {ctx.group_size}" if fmt == "w4a16" else ""
+        size = f", group size {ctx.group_size}" if found.uses_group_size else ""
         notes = [f"opus.quant {fmt} on {len(assignment)} linears{size}; routers and a tied lm_head stay float32"]
         if skipped:
             notes.append(f"{len(skipped)} layers kept float32: {next(iter(skipped.values()))}")

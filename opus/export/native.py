@@ -151,7 +151,7 @@ def _greedy(step: Callable[[np.ndarray], np.ndarray], ids: np.ndarray, n: int) -
 
 def parity(wrapper: nn.Module, session: Any, prompts: list[torch.Tensor], greedy_tokens: int) -> dict[str, float]:
     """Max |logits difference| (torch vs ORT), next-token agreement, greedy-continuation agreement."""
-    from opus.quant.modules import int8_activations_at_every_size
+    from opus.quant.formats.w8a8 import int8_activations_at_every_size
 
     def torch_step(ids: np.ndarray) -> np.ndarray:
         with torch.no_grad(), int8_activations_at_every_size():

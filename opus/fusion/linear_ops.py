@@ -207,18 +207,14 @@ def _stack_quantized(mods: list[nn.Module]) -> StackedQuantLinear | str:
 
 def _register_quantized() -> None:
     """Quantized layers of one class and options concatenate exactly along their output axis, and
-    stack as a ``StackedQuantLinear``."""
-    from opus.quant.modules import (
-        Fp8Linear,
-        Int4WeightOnlyLinear,
-        Int8DynamicLinear,
-        Int8WeightOnlyLinear,
-        concat_quantized,
-    )
+    stack as a ``StackedQuantLinear``: every registered format's ``QuantLinear`` class."""
+    from opus.quant.formats import FORMATS
+    from opus.quant.modules import QuantLinear, concat_quantized
 
-    for cls in (Int8DynamicLinear, Int8WeightOnlyLinear, Int4WeightOnlyLinear, Fp8Linear):
-        register_concat(cls)(concat_quantized)
-        register_stacker(cls)(_stack_quantized)
+    for fmt in FORMATS.values():
+        if fmt.module is not None and issubclass(fmt.module, QuantLinear):
+            register_concat(fmt.module)(concat_quantized)
+            register_stacker(fmt.module)(_stack_quantized)
 
 
 _register_quantized()

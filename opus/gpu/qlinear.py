@@ -1,45 +1,28 @@
 """Linear layers for the static path: fusing float linears, and quantizing them with opus.quant formats.
 
-Formats (``opus.quant.formats``): ``fp8`` (E4M3 weights, rowwise-scaled activations, ``torch._scaled_mm``,
-CUDA sm_89+), ``w8a8`` (int8 per-channel weights, per-token int8 activations, ``torch._int_mm``) and
-``w4a16`` (int4 per group, ``_weight_int4pack_mm``). Two CUDA details are handled here rather than in
-opus.quant (which this package does not own):
-
-* ``torch._int_mm`` on CUDA needs more than 16 rows, and ``Int8DynamicLinear`` would run inputs that
-  small through its weight-only branch (a dequantized copy of the weight per call on CUDA): ``MinRows``
-  pads the activation (static shapes) so the int8 GEMM always runs.
+Formats (``opus.quant.formats``) whose ``static_path`` is set run here — today ``fp8`` (E4M3 weights,
+rowwise-scaled activations, ``torch._scaled_mm``, CUDA sm_89+), ``w8a8`` (int8 per-channel weights,
+per-token int8 activations, ``torch._int_mm``) and ``w4a16`` (int4 per group, ``_weight_int4pack_mm``).
+Each format owns its device rules (``device_unsupported``) and its static-shape wrapper
+(``wrap_for_static``: W8A8 pads small row counts for ``torch._int_mm`` on CUDA, ``MinRows``).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from opus.quant.formats import FORMATS
-from opus.quant.kernels import dequant_int4
-from opus.quant.modules import Fp8Linear, Int4WeightOnlyLinear, Int8DynamicLinear, QuantLinear
+from opus.quant.formats.w8a8 import INT_MM_MIN_ROWS, MinRows
+from opus.quant.modules import QuantLinear
 
-QUANT_FORMATS = ("fp8", "w8a8", "w4a16")
-INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA: "self.size(0) needs to be greater than 16"
+__all__ = ["INT_MM_MIN_ROWS", "MinRows", "dequantize", "format_of", "fuse_linears", "group_size_for",
+           "linear_from_weight", "module_bytes", "quant_reason", "quantize_linear", "static_formats"]
 
 
-class MinRows(nn.Module):
-    """Pads the flattened activation to at least 17 rows (a multiple of 8) around an int8 GEMM."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if rows >= INT_MM_MIN_ROWS:
-            return self.inner(x)
-        padded = F.pad(flat, (0, 0, 0, 24 - rows))  # 24: the first multiple of 8 above 16
-        return self.inner(padded)[:rows].reshape(*x.shape[:-1], -1)
+def static_formats() -> list[str]:
+    """The registered formats the static path can run."""
+    return [name for name, fmt in FORMATS.items() if fmt.static_path]
 
 
 def fuse_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -73,32 +56,10 @@ def group_size_for(in_features: int) -> int:
 
 def quant_reason(fmt: str, linear: nn.Linear) -> str | None:
     """Why ``fmt`` cannot run on ``linear`` here, or None."""
-    if fmt not in QUANT_FORMATS:
-        return f"unknown format {fmt!r} (static path supports {', '.join(QUANT_FORMATS)})"
-    device = linear.weight.device
-    if fmt == "fp8":
-        if device.type != "cuda":
-            return None if _cpu_scaled_mm_works() else "fp8 needs CUDA (torch._scaled_mm rowwise)"
-        if torch.cuda.get_device_capability(device) < (8, 9):
-            return f"fp8 needs compute capability 8.9+ (this GPU: {torch.cuda.get_device_capability(device)})"
-    if fmt == "w4a16" and device.type == "cuda":
-        if linear.weight.dtype != torch.bfloat16:
-            return "the CUDA int4 kernel computes in bf16: load the model in bf16"
-        if linear.in_features % 128:  # _convert_weight_to_int4pack(innerKTiles=8): K % (8 * 16) == 0
-            return f"the CUDA int4 kernel needs in_features % 128 == 0 (layer is {linear.in_features}→...)"
-    return FORMATS[fmt].unsupported(linear, group_size_for(linear.in_features))
-
-
-@functools.cache
-def _cpu_scaled_mm_works() -> bool:
-    """Recent torch runs rowwise ``_scaled_mm`` on CPU too: then the fp8 path can be tested there."""
-    try:
-        a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-        scale = torch.ones(16, 1)
-        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=torch.bfloat16)
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return False
-    return True
+    if fmt not in FORMATS or not FORMATS[fmt].static_path:
+        return f"unknown format {fmt!r} (static path supports {', '.join(static_formats())})"
+    found = FORMATS[fmt]
+    return found.device_unsupported(linear) or found.unsupported(linear, group_size_for(linear.in_features))
 
 
 def quantize_linear(linear: nn.Linear, fmt: str | None) -> tuple[nn.Module, str | None]:
@@ -111,9 +72,7 @@ def quantize_linear(linear: nn.Linear, fmt: str | None) -> tuple[nn.Module, str 
     with torch.no_grad():
         module = FORMATS[fmt].build(linear, group_size_for(linear.in_features))
     module.requires_grad_(False)
-    if isinstance(module, Int8DynamicLinear) and linear.weight.device.type == "cuda":
-        return MinRows(module), None
-    return module, None
+    return FORMATS[fmt].wrap_for_static(module, linear.weight.device), None
 
 
 def dequantize(module: nn.Module) -> torch.Tensor:
@@ -122,11 +81,10 @@ def dequantize(module: nn.Module) -> torch.Tensor:
         return dequantize(module.inner)
     if isinstance(module, nn.Linear):
         return module.weight
-    if isinstance(module, (Fp8Linear, Int8DynamicLinear)):
-        return module.qweight.float() * module.scale.reshape(-1, 1)
-    if isinstance(module, Int4WeightOnlyLinear):
-        return dequant_int4(module.qweight, module.scales_and_zeros, module.group_size)
-    raise TypeError(f"cannot dequantize {type(module).__name__}")
+    fmt = FORMATS.get(getattr(module, "fmt", ""))
+    if fmt is None:
+        raise TypeError(f"cannot dequantize {type(module).__name__}")
+    return fmt.dequantize(module)
 
 
 def format_of(module: nn.Module) -> str:

@@ -32,24 +32,25 @@ def quantize_model(model: nn.Module, assignment: dict[str, str], stats: Activati
                    *, group_size: int = 128, alpha: float | None = None) -> dict[str, Any]:
     """Quantize ``model`` in place; returns the recipe step that rebuilds its structure.
 
-    Layers assigned w8a8 are smoothed first (exact in float), where the model's structure allows.
+    Layers in a SmoothQuant format (w8a8, fp8) are smoothed first (exact in float), where the model's
+    structure allows.
     """
     device = str(next(model.parameters()).device)
     for fmt in set(assignment.values()):
         check_format(fmt, device)
     smoothed: dict[str, float] = {}
-    int8_act = {n for n, f in assignment.items() if f in ("w8a8", "fp8")}
-    if int8_act and stats is not None:
-        groups = [g for g in smooth_groups(model) if int8_act.intersection(g.targets)]
+    smooth = {n for n, f in assignment.items() if FORMATS[f].smoothquant}
+    if smooth and stats is not None:
+        groups = [g for g in smooth_groups(model) if smooth.intersection(g.targets)]
         smoothed = apply_smoothing(model, stats, groups, alpha)
     layers: dict[str, dict[str, Any]] = {}
     for name, fmt in assignment.items():
         linear = _linear(model, name)
-        if FORMATS[fmt].module is None:
+        if FORMATS[fmt].is_noop:
             continue
         with torch.no_grad():
             _replace(model, name, FORMATS[fmt].build(linear, group_size))
-        layers[name] = {"format": fmt, "group_size": group_size} if fmt == "w4a16" else {"format": fmt}
+        layers[name] = {"format": fmt, **FORMATS[fmt].recipe_options(group_size)}
     return {"kind": RECIPE_KIND, "layers": layers, "smoothing_alpha": smoothed}
 
 

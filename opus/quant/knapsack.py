@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from opus.quant.formats import is_noop
+
 BINS = 2000
 
 
@@ -97,13 +99,13 @@ def explain(group: GroupChoice, chosen: Candidate, kind: str) -> str:
     if group.forced:
         return f"forced to {chosen.fmt} by a rule"
     speed = f"{float_ms / chosen.time_ms:.2f}× the float layer's speed" if chosen.time_ms > 0 else ""
-    slower = [c.fmt for c in group.candidates if c.measured > float_ms and c.fmt != "fp32"]
+    slower = [c.fmt for c in group.candidates if c.measured > float_ms and not is_noop(c.fmt)]
     tail = f"; slower than float here: {', '.join(slower)}" if slower else ""
     # measured faster, counted no faster: within the noise margin of a more accurate format
     tied = [c.fmt for c in group.candidates if c.measured < chosen.measured and c.time_ms >= chosen.time_ms]
     if tied and group.margin is not None:
         tail += f"; within the {group.margin:.1%} noise margin, so no faster: {', '.join(tied)}"
-    if chosen.fmt == "fp32":
+    if is_noop(chosen.fmt):
         return "kept float: no faster format fits the budget" + tail
     faster = [c for c in group.candidates if c.time_ms < chosen.time_ms]
     why = "the fastest format" if not faster else f"fastest within the {kind} budget"

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from opus.quant.calibrate import ActivationStats
-from opus.quant.formats import FORMATS, LADDER, check_format
+from opus.quant.formats import FORMATS, check_format, is_noop, known, ladder, noop_name
 from opus.quant.groups import QGroup, build_groups, matches
 from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
 from opus.quant.sensitivity import measure_sensitivity
@@ -21,9 +21,6 @@ from opus.quant.validate import PLAN, check_end_to_end
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
 
 Progress = Callable[[float, float, str], None]
-ACT_FORMATS = ("w8a8", "w8a8_tensor", "fp8")
-# Between formats as accurate as each other, the one higher up the accuracy ladder is the simpler.
-SIMPLICITY = {fmt: rank for rank, fmt in enumerate(reversed(LADDER))}
 
 
 @dataclass
@@ -60,7 +57,7 @@ def _forced(group: QGroup, force: dict[str, str]) -> str | None:
 
 def _cost(kind: str, fmt: str, params: int, dce: float | None) -> float:
     if kind == "ppl":
-        return max(dce or 0.0, 0.0) if fmt != "fp32" else 0.0
+        return 0.0 if is_noop(fmt) else max(dce or 0.0, 0.0)
     bits = FORMATS[fmt].weight_bits
     return params * bits / 8 if kind == "memory" else params * bits
 
@@ -80,8 +77,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     forced = {g.name: _forced(g, request.force) for g in groups}
     free = [g for g in groups if not forced[g.name]]
     pristine = copy.deepcopy(model) if request.validate else None  # before smoothing, below, changes it
-    plain = [f for f in formats if f not in ACT_FORMATS]
-    act = [f for f in formats if f in ACT_FORMATS]
+    plain = [f for f in formats if not FORMATS[f].acts_quantized]
+    act = [f for f in formats if FORMATS[f].acts_quantized]
     total = len(free) * len(formats)
     scores = measure_sensitivity(model, free, plain, blocks, group_size=request.group_size, progress=progress,
                                  total=total)
@@ -138,13 +135,14 @@ def _timeable(group: QGroup, linears: list[nn.Linear], force: str | None, format
               scores: dict[str, Any], group_size: int, notes: list[str]) -> list[str]:
     """The formats to time for a group: float, and those scored whose kernel takes every layer."""
     out = []
-    for fmt in dict.fromkeys(["fp32", force] if force else ["fp32", *formats]):
+    base = noop_name()  # the float layer: always timed, the baseline every format must beat
+    for fmt in dict.fromkeys([base, force] if force else [base, *formats]):
         reason = next(filter(None, (FORMATS[fmt].unsupported(lin, group_size) for lin in linears)), None)
         if reason:
             if fmt == force:
                 raise ValueError(f"rule forces {group.name} to {fmt}, but {reason}")
             notes.append(f"{group.name}: {fmt} not possible: {reason}")
-        elif fmt == "fp32" or fmt == force or fmt in scores:
+        elif fmt in (base, force) or fmt in scores:
             out.append(fmt)
     return out
 
@@ -154,13 +152,15 @@ def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, sa
     """The group's candidates, each timed as the shared rule counts it (opus.runtime.choose.credible)."""
     params = sum(lin.weight.numel() for lin in linears)
     dce = {fmt: scores.get(fmt, {}).get("dce") for fmt in samples}
-    options = [Option(fmt, error=max(dce[fmt] or 0.0, 0.0), simplicity=SIMPLICITY[fmt]) for fmt in samples]
+    # Between formats as accurate as each other, the one higher up the accuracy ladder is the simpler.
+    simplicity = {fmt: rank for rank, fmt in enumerate(reversed(ladder()))}
+    options = [Option(fmt, error=max(dce[fmt] or 0.0, 0.0), simplicity=simplicity[fmt]) for fmt in samples]
     decision = decide_from(f"kernel formats: {group.name}", options, samples, unit="ms")
     counted = credible(decision)
     candidates = [Candidate(fmt, counted[fmt], _cost(budget_kind, fmt, params, dce[fmt]), dce[fmt],
                             scores.get(fmt, {}).get("kl"), measured_ms=decision.medians[fmt]) for fmt in samples]
-    choice = GroupChoice(group.name, group.role, group.modules, decision.medians["fp32"], candidates, force, params,
-                         margin=decision.margin)
+    choice = GroupChoice(group.name, group.role, group.modules, decision.medians[noop_name()], candidates, force,
+                         params, margin=decision.margin)
     return choice, decision
 
 
@@ -171,7 +171,7 @@ def assignment_from_plan(doc: dict[str, Any]) -> dict[str, str]:
         fmt = group.get("format")
         if fmt not in FORMATS:
             raise ValueError(f"groups[{index}] ({group.get('name')}): unknown format '{fmt}' "
-                             f"(known: {', '.join(FORMATS)})")
+                             f"(known: {', '.join(known())})")
         for module in group.get("modules", []):
             out[module] = fmt
     return out

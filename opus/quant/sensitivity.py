@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.quant.formats import FORMATS, fake_quant_input, fake_quant_weight
+from opus.quant.formats import FORMATS
 from opus.quant.groups import QGroup
 
 Progress = Callable[[float, float, str], None]
@@ -38,7 +38,7 @@ class _Trial:
 
     def __init__(self, model: nn.Module, group: QGroup, fmt: str, group_size: int) -> None:
         self.layers = [model.get_submodule(n) for n in group.modules]
-        self.fmt, self.group_size = fmt, group_size
+        self.fmt, self.group_size = FORMATS[fmt], group_size
         self.saved: list[nn.Parameter] = []
         self.hooks: list = []
 
@@ -47,10 +47,10 @@ class _Trial:
             # A new Parameter, not new .data: a tied lm_head shares its Parameter with the embedding,
             # whose lookup must keep the float table.
             self.saved.append(layer.weight)
-            layer.weight = nn.Parameter(fake_quant_weight(self.fmt, layer.weight.data, self.group_size),
+            layer.weight = nn.Parameter(self.fmt.fake_quant_weight(layer.weight.data, self.group_size),
                                         requires_grad=False)
             self.hooks.append(layer.register_forward_pre_hook(
-                lambda _m, args: (fake_quant_input(self.fmt, args[0]),)))
+                lambda _m, args: (self.fmt.fake_quant_input(args[0]),)))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 from opus.kv.cache import cache_factory
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
+from opus.quant.formats import is_noop, noop_name
 from opus.quant.knapsack import Candidate, GroupChoice
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
 from opus.runtime.engine import timed_generate
@@ -45,7 +46,7 @@ def uniform_alternatives(choices: list[GroupChoice], formats: list[str],
         chosen = {}
         for group in choices:
             by_fmt = {c.fmt: c for c in group.candidates}
-            chosen[group.name] = by_fmt[group.forced or (fmt if fmt in by_fmt else "fp32")]
+            chosen[group.name] = by_fmt[group.forced or (fmt if fmt in by_fmt else noop_name())]
         cost = sum(c.cost for c in chosen.values())
         if cost <= limit:
             alternatives[f"uniform {fmt}"] = chosen
@@ -63,7 +64,8 @@ def workload_prompts(blocks: torch.Tensor, batch_size: int, input_len: int) -> t
 
 
 def _assignment(chosen: dict[str, Candidate], choices: list[GroupChoice]) -> dict[str, str]:
-    return {m: chosen[g.name].fmt for g in choices for m in g.modules if chosen[g.name].fmt != "fp32"}
+    return {m: chosen[g.name].fmt for g in choices for m in g.modules
+            if not is_noop(chosen[g.name].fmt)}
 
 
 def _error(chosen: dict[str, Candidate]) -> float:

@@ -76,7 +76,7 @@ def test_per_token_beats_per_tensor_on_outlier_rows() -> None:
 @torch.no_grad()
 def test_w8a8_runs_decode_sized_inputs_weight_only() -> None:
     """Few rows: the same int8 weights with bf16 activations; many rows: int8 activations too."""
-    from opus.quant.modules import Int8DynamicLinear
+    from opus.quant.formats.w8a8 import Int8DynamicLinear
 
     torch.manual_seed(3)
     linear = nn.Linear(256, 128, bias=False)
