@@ -1,18 +1,23 @@
 """Choose the KV cache for the engine, per batch size, by measurement.
 
-Candidates — the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, and the
-static cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders
-only) — run the pipeline's workload (or the ``input_len``/``output_len`` given here) at each batch
-size that fits the memory budget (default: 1 and the workload's), in interleaved rounds
-(``repeats``), each round timed as the prefill plus the median decode step for every step. At each
-batch size the shared rule of ``opus.runtime.choose`` picks: the fastest, unless others are within the
-noise margin of it; then the simpler wins (growing, then pooled, then static); ``decisions.json``
-keeps the rounds, margin and reason. Where the winners differ (a compiled static step wins at batch
-1, where per-op dispatch bounds a step, and a pooled cache at batch 32), the recipe gets a
-``by_batch`` cache that picks by the request's batch size. With ``run.decisions_from`` the caches
-of that run are measured and kept instead. The choice is written into the recipe as
-``{"kind": "kv_cache", "cache": {...}}``, which baseline/eval and the engine read to build their
-cache. The step changes no tensor.
+Candidates come from the registry of cache kinds (``opus.kv.cache.registered_kinds``): each kind
+turns this stage's settings into configs to measure and says why one cannot run for the model.
+Opus's own: the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, the static
+cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only), and
+the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
+or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
+``unavailable`` in ``kv_config.json`` with the reason. They run the pipeline's workload (or the
+``input_len``/``output_len`` given here) at each batch size that fits the memory budget (default:
+1 and the workload's), in interleaved rounds (``repeats``), each round timed as the prefill plus
+the median decode step for every step. At each batch size the shared rule of
+``opus.runtime.choose`` picks: the fastest, unless others are within the noise margin of it; then
+the simpler wins (each kind's ``simplicity``: growing, pooled, static, CUDA graph);
+``decisions.json`` keeps the rounds, margin and reason. Where the winners differ (a compiled static
+step wins at batch 1, where per-op dispatch bounds a step, and a pooled cache at batch 32), the
+recipe gets a ``by_batch`` cache that picks by the request's batch size. With
+``run.decisions_from`` the caches of that run are measured and kept instead. The choice is written
+into the recipe as ``{"kind": "kv_cache", "cache": {...}}``, which baseline/eval and the engine
+read to build their cache. The step changes no tensor.
 
 Sizing: bytes per token = 2 × layers × KV heads × head dim × element size; the budget is
 ``memory_budget_mb`` or ``memory_fraction`` of the memory available now; ``max_batch`` is the largest
@@ -56,6 +61,9 @@ class Config(BaseModel):
     include_growing: bool = True  # measure the growing cache too (and keep it if it wins)
     include_static: bool = True  # and the static cache with compiled decode steps (Opus decoders)
     static_slot_multiple: int = Field(128, gt=0)  # its slots: request length rounded up to this
+    # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
+    # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
+    cuda_graph: bool | None = None
     input_len: int | None = Field(None, gt=0)  # default: the workload's
     output_len: int | None = Field(None, gt=0)
     warmup: int | None = Field(None, ge=0)
@@ -63,31 +71,38 @@ class Config(BaseModel):
     seed: int = 0
 
 
-def _candidates(cfg: Config, max_ctx: int, model: Any) -> list[dict[str, Any]]:
-    from opus.kv.pool import cache_config
-    from opus.kv.static import cache_config as static_config
-    from opus.models.decoder import DecoderLM
+def _candidates(cfg: Config, max_ctx: int, model: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every registered kind's configs for these settings: (those that can run here, those that cannot,
+    each with the kind's reason). Kinds are asked through the registry (opus.kv.cache), never by name."""
+    from opus.kv.cache import registered_kinds
+    from opus.runtime.engine import model_device
 
-    out = [cache_config(p, s, max_ctx) for p in cfg.prealloc for s in cfg.step]
-    out += [{"kind": "growing"}] if cfg.include_growing else []
-    # Only Opus's decoder hands its decode steps to the cache (DecoderLM.forward).
-    return out + ([static_config(True, cfg.static_slot_multiple)] if cfg.include_static and isinstance(model, DecoderLM)
-                  else [])
+    settings = cfg.model_dump() | {"max_context": max_ctx, "device": str(model_device(model))}
+    runnable, unavailable = [], []
+    for kind in registered_kinds():
+        for cache in kind.candidates(settings):
+            options = {k: v for k, v in cache.items() if k not in ("kind", "provider")}
+            reason = kind.unavailable(model, options)
+            (unavailable if reason else runnable).append({"cache": cache, **({"skipped": reason} if reason else {})})
+    # The order of the candidates of old (pooled first, then growing, then static): rows and labels
+    # in kv_config.json keep their places; new kinds come last.
+    order = {"pooled": 0, "growing": 1, "static": 2}
+    runnable.sort(key=lambda r: order.get(r["cache"]["kind"], len(order)))
+    return [r["cache"] for r in runnable], unavailable
+
+
+def _kind(cache: dict[str, Any]) -> Any:
+    from opus.kv.cache import kind_of
+
+    return kind_of(cache["kind"], cache.get("provider"))
+
+
+def _options(cache: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in cache.items() if k not in ("kind", "provider")}
 
 
 def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> int:
-    from opus.kv.pool import max_batch
-    from opus.kv.static import max_batch as static_max_batch
-
-    if cache["kind"] == "growing":  # holds exactly the context (plus a transient copy while growing)
-        return max(0, budget // (2 * per_token * context))
-    if cache["kind"] == "static":  # the context rounded up to whole slot multiples, allocated at once
-        return static_max_batch(budget, per_token, context, cache["slot_multiple"])
-    return max_batch(budget, per_token, context, cache["prealloc"], cache["step"], cache["max_context"])
-
-
-# Between caches equally fast within the noise: the one with less machinery.
-SIMPLICITY = {"growing": 0, "pooled": 1, "static": 2}
+    return _kind(cache).max_batch(budget, per_token, context, _options(cache))
 
 
 def _label(cache: dict[str, Any]) -> str:
@@ -123,7 +138,8 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
                 row.update(memory_figures(memory))
             return prefill + (output_len - 1) * step if output_len > 1 else prefill
 
-        return Option(label, run, simplicity=SIMPLICITY.get(row["cache"]["kind"], len(SIMPLICITY)))
+        # Between caches equally fast within the noise: the one with less machinery (the kind says).
+        return Option(label, run, simplicity=_kind(row["cache"]).simplicity)
 
     options = [option(row) for row in rows]
     decision = decide(f"KV cache at batch {prompts.shape[0]}", options, rounds, warmup=warmup, timer=reported)
@@ -181,7 +197,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
 
     from opus.kv import static as static_cache
     from opus.kv.cache import kv_cache_step
-    from opus.kv.pool import kv_bytes_per_token, memory_budget
+    from opus.kv.sizing import kv_bytes_per_token, memory_budget
     from opus.runtime.data import random_blocks
     from opus.runtime.engine import model_device, supports_cache
     from opus.runtime.metrics import Progress, vocab_size
@@ -204,7 +220,10 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         raise ValueError(f"the workload needs {context} positions; max_context is {max_ctx}")
     batches = sorted(set(cfg.batch_sizes or [1, wl.batch_size]))
     replay = source_artifact(ctx, "kv_config.json")  # run.decisions_from: that run's caches
-    plans = _replayed(replay, batches) if replay else {b: _candidates(cfg, max_ctx, model) for b in batches}
+    candidates, unavailable = ([], []) if replay else _candidates(cfg, max_ctx, model)
+    for row in unavailable:  # never silently: logged, and listed in kv_config.json
+        ctx.log(f"KV cache {_label(row['cache'])} skipped: {row['skipped']}")
+    plans = _replayed(replay, batches) if replay else dict.fromkeys(batches, candidates)
     rounds = cfg.repeats or max(DEFAULT_ROUNDS, wl.repeats)
     progress = Progress(ctx.progress)
     progress.expect(sum(map(len, plans.values())) * (max(1, warmup) + rounds) * output_len)
@@ -250,6 +269,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     for note in notes:
         ctx.log(note)
     ctx.write_artifact("kv_config.json", {"chosen": chosen, "sizing": sizing, "candidates": rows,
+                                          "unavailable": unavailable,
                                           "winners": {str(b): r["cache"] for b, r in winners.items()},
                                           "notes": notes,
                                           "workload": {"input_len": input_len, "output_len": output_len,

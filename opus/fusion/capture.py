@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from opus.kv.cache import GrowingKVCache
+from opus.kv.cache import CacheBase, GrowingKVCache
 
 
 class RecordingCache(GrowingKVCache):
@@ -24,7 +24,7 @@ class RecordingCache(GrowingKVCache):
         return FrozenCache({i: (k.clone(), self._v[i].clone()) for i, k in self._k.items()})
 
 
-class FrozenCache:
+class FrozenCache(CacheBase):
     """Replays ``update`` against a fixed past: returns past + new, changes nothing."""
 
     def __init__(self, past: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:

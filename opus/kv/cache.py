@@ -1,27 +1,35 @@
-"""KV caches for the engine: a protocol, the growing baseline, and a registry of kinds.
+"""KV caches for the engine: the protocol, the growing baseline, and the registry of kinds.
 
 A cache is chosen by a small config dict, ``{"kind": "growing", ...options}``. The default is the
-growing cache (``torch.cat`` per step, what eager PyTorch code usually does). Another kind — a
-preallocated or pooled cache written by a kv_config stage — registers itself with
-``@register_cache("name", provider_module=...)`` and is then picked up from the model state's
-recipe: a recipe step ``{"kind": "kv_cache", "cache": {"kind": "name", ...}}`` (build it with
-``kv_cache_step``). The engine reads the last such step (``cache_config_from_recipe``). A config
-may name the module that registers its kind, ``{"kind": "name", "provider": "pkg.module"}``, so a
-fresh worker process that never imported it can still build the cache.
+growing cache (``torch.cat`` per step, what eager PyTorch code usually does). Every other kind is one
+module of this package that registers one ``CacheKind`` object with ``register_kind``: how to build
+it (``build``), how many sequences fit a memory budget (``max_batch``), one line for people
+(``describe``), the configs a kv_config stage measures (``candidates``) and why it cannot run for a
+model (``unavailable``). ``opus/kv/__init__.py`` imports each such module, which both registers
+the kind and puts its code in every stage key (opus.pipeline.code_reach follows imports only).
+
+A recipe step ``{"kind": "kv_cache", "cache": {"kind": "name", ...}}`` (``kv_cache_step``) selects
+the cache; the engine reads the last such step (``cache_config_from_recipe``). A config may name the
+module that registers its kind, ``{"kind": "name", "provider": "pkg.module"}``, so a kind from
+outside Opus is found by a fresh worker process too (old module paths resolve through opus.moved).
 
 Kinds: ``growing`` (here), ``pooled`` (opus.kv.pool), ``static`` with compiled decode steps
-(opus.kv.static), and ``by_batch``, a per-batch-size choice among them (what kv_config writes
-when the fastest cache differs between batch sizes).
+(opus.kv.static), ``cuda_graph``, static with CUDA-graph decode steps (opus.kv.cuda_graph), and
+``by_batch``, a per-batch-size choice among them (what kv_config writes when the fastest cache
+differs between batch sizes).
 
 Model interface: attention in layer i calls ``k_all, v_all = cache.update(i, k, v)`` with ``k, v``
-of shape ``[B, num_kv_heads, T, head_dim]`` and attends to everything returned, ``[B, H, S, D]``.
+of shape ``[B, num_kv_heads, T, head_dim]`` and attends to everything returned, ``[B, H, S, D]``,
+masked by ``cache.mask`` where that is not None. A cache whose ``decodes_itself`` is True gets each
+one-token step through ``decode_step`` instead. ``CacheBase`` gives the hooks their defaults, so the
+decoder reads them directly and never probes a cache with ``hasattr``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -30,10 +38,19 @@ from opus.recipe import register_transform
 
 DEFAULT_KIND = "growing"
 RECIPE_KIND = "kv_cache"
+BY_BATCH = "by_batch"
 
 
 @runtime_checkable
 class KVCache(Protocol):
+    # True: the model hands each one-token decode step to ``decode_step`` (a static cache runs it as
+    # one compiled or captured graph); False: it calls ``update`` per layer like any other forward.
+    decodes_itself: bool
+    # Set only on the view a cache's own decode step passes to the model: the key mask over every
+    # slot and the step's positions as a tensor (a compiled step never specializes on the position).
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v`` ([B, H, T, D]) for ``layer``; return everything stored for it ([B, H, S, D])."""
         ...
@@ -46,6 +63,21 @@ class KVCache(Protocol):
     def reset(self) -> None:
         """Forget everything (the cache can be reused for a new batch of the same shape)."""
         ...
+
+    def decode_step(self, model: torch.nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Logits ``[B, 1, V]`` of one token per row at ``start_pos``; called only if ``decodes_itself``."""
+        ...
+
+
+class CacheBase:
+    """The protocol's optional hooks with their defaults: a subclass writes update, seq_len and reset."""
+
+    decodes_itself: ClassVar[bool] = False
+    mask: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def decode_step(self, model: torch.nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not run decode steps (decodes_itself is False)")
 
 
 @dataclass(frozen=True)
@@ -61,7 +93,7 @@ class CacheShape:
     dtype: torch.dtype
 
 
-class GrowingKVCache:
+class GrowingKVCache(CacheBase):
     """The baseline: one tensor per layer, grown with ``torch.cat`` on every update.
 
     Simple and shape-agnostic, but each decode step copies the whole cache once per layer — the
@@ -96,22 +128,90 @@ class GrowingKVCache:
         return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
 
 
+# -- the registry of kinds ---------------------------------------------------------------------------
 CacheBuilder = Callable[[dict[str, Any], CacheShape], KVCache]
 CacheFactory = Callable[[int, int], KVCache]  # (batch_size, max_seq_len) -> a fresh cache
 
-_KINDS: dict[str, CacheBuilder] = {}
+
+class CacheKind(Protocol):
+    """What every kind registers: one object, asked by the engine and the kv_config stage alike."""
+
+    name: str
+    provider: str | None  # the module that registers it (written into configs, so workers find it)
+    simplicity: int  # between kinds tied within the noise, the lower (less machinery) wins
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache: ...
+
+    def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
+        """The most sequences of ``context_len`` positions whose caches, as allocated, fit ``budget_bytes``."""
+        ...
+
+    def describe(self, options: dict[str, Any]) -> str: ...
+
+    def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Configs (kind and provider included) a kv_config stage with ``settings`` measures."""
+        ...
+
+    def unavailable(self, model: torch.nn.Module, options: dict[str, Any]) -> str | None:
+        """Why this config cannot run for ``model`` here (kv_config reports it skipped), or None."""
+        ...
+
+
+class KindBase:
+    """Defaults of ``CacheKind``: measured by no stage, runs everywhere, described by its name."""
+
+    name: str = ""
+    provider: str | None = None
+    simplicity: int = 100
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
+        raise NotImplementedError
+
+    def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
+        # Unknown allocation: assume it holds the context plus a transient copy, like the growing cache.
+        return max(0, budget_bytes // (2 * per_token_bytes * context_len))
+
+    def describe(self, options: dict[str, Any]) -> str:
+        return self.name
+
+    def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        return []
+
+    def unavailable(self, model: torch.nn.Module, options: dict[str, Any]) -> str | None:
+        return None
+
+    def config(self, **options: Any) -> dict[str, Any]:
+        """A config of this kind, with the provider a fresh process imports to find it."""
+        return {"kind": self.name, **({"provider": self.provider} if self.provider else {}), **options}
+
+
+class _BuilderKind(KindBase):
+    """A kind registered as a bare builder function (``register_cache``): built, never measured."""
+
+    def __init__(self, name: str, builder: CacheBuilder, provider: str | None) -> None:
+        self.name, self.provider, self._builder = name, provider, builder
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
+        return self._builder(options, shape)
+
+
+_KINDS: dict[str, CacheKind] = {}
 _PROVIDERS: dict[str, str] = {}  # kind -> module that registers it on import
 
 
-def register_cache(kind: str, provider_module: str | None = None) -> Callable[[CacheBuilder], CacheBuilder]:
-    """Register a builder ``(options, shape) -> KVCache`` under ``kind``.
+def register_kind(kind: CacheKind) -> CacheKind:
+    """Register ``kind`` under ``kind.name`` (the module defining it must be importable as ``kind.provider``)."""
+    _KINDS[kind.name] = kind
+    if kind.provider:
+        _PROVIDERS[kind.name] = kind.provider
+    return kind
 
-    ``provider_module`` lets a process that never imported the provider find it later (the
-    registration itself must then be importable from that module).
-    """
+
+def register_cache(kind: str, provider_module: str | None = None) -> Callable[[CacheBuilder], CacheBuilder]:
+    """Register a bare builder ``(options, shape) -> KVCache`` under ``kind`` (built, never measured)."""
 
     def decorator(fn: CacheBuilder) -> CacheBuilder:
-        _KINDS[kind] = fn
+        register_kind(_BuilderKind(kind, fn, provider_module))
         return fn
 
     if provider_module:
@@ -123,24 +223,46 @@ def known_kinds() -> list[str]:
     return sorted(set(_KINDS) | set(_PROVIDERS))
 
 
-@register_cache(DEFAULT_KIND)
-def _growing(options: dict[str, Any], shape: CacheShape) -> KVCache:
-    if options:
-        raise ValueError(f"the growing KV cache takes no options (got {', '.join(sorted(options))})")
-    return GrowingKVCache(shape.num_layers)
+def registered_kinds() -> list[CacheKind]:
+    """Every kind registered in this process, the simplest first (Opus's own: see opus/kv/__init__.py)."""
+    return sorted(_KINDS.values(), key=lambda k: (k.simplicity, k.name))
 
 
-def _model_attr(model_config: Any, name: str) -> int | None:
-    value = getattr(model_config, name, None) if model_config is not None else None
-    return int(value) if isinstance(value, int) else None
-
-
-def _builder(kind: str, provider: str | None) -> CacheBuilder:
+def kind_of(kind: str, provider: str | None = None) -> CacheKind:
+    """The registered kind ``kind``, importing ``provider`` (or its known provider) first if needed."""
     if kind not in _KINDS and (provider or kind in _PROVIDERS):
         moved.import_module(provider or _PROVIDERS[kind])
     if kind not in _KINDS:
         raise ValueError(f"unknown KV cache kind '{kind}' (known: {', '.join(known_kinds())})")
     return _KINDS[kind]
+
+
+def _builder(kind: str, provider: str | None) -> CacheBuilder:
+    return kind_of(kind, provider).build
+
+
+class _GrowingKind(KindBase):
+    name, provider, simplicity = DEFAULT_KIND, None, 0
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
+        if options:
+            raise ValueError(f"the growing KV cache takes no options (got {', '.join(sorted(options))})")
+        return GrowingKVCache(shape.num_layers)
+
+    def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
+        # Holds exactly the context, plus a transient copy of a layer while ``torch.cat`` grows it.
+        return max(0, budget_bytes // (2 * per_token_bytes * context_len))
+
+    def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{"kind": DEFAULT_KIND}] if settings.get("include_growing", True) else []
+
+
+register_kind(_GrowingKind())
+
+
+def _model_attr(model_config: Any, name: str) -> int | None:
+    value = getattr(model_config, name, None) if model_config is not None else None
+    return int(value) if isinstance(value, int) else None
 
 
 def make_cache(config: dict[str, Any] | None, model_config: Any, batch_size: int, max_seq_len: int,
@@ -157,10 +279,12 @@ def make_cache(config: dict[str, Any] | None, model_config: Any, batch_size: int
 def build_cache(config: dict[str, Any] | None, shape: CacheShape) -> KVCache:
     options = dict(config or {})
     kind = options.pop("kind", DEFAULT_KIND)
-    return _builder(kind, options.pop("provider", None))(options, shape)
-
-
-BY_BATCH = "by_batch"
+    cache = kind_of(kind, options.pop("provider", None)).build(options, shape)
+    # The decoder reads the hooks without probing: a cache lacking them fails here, by name.
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"KV cache kind '{kind}' built a {type(cache).__name__}, which lacks the KVCache hooks "
+                        "(decodes_itself, mask, positions, decode_step): derive it from opus.kv.cache.CacheBase")
+    return cache
 
 
 def by_batch_config(rules: list[tuple[int | None, dict[str, Any]]]) -> dict[str, Any]:
@@ -171,33 +295,12 @@ def by_batch_config(rules: list[tuple[int | None, dict[str, Any]]]) -> dict[str,
 
 def describe_cache(config: dict[str, Any] | None) -> str:
     """One line for people: ``static, compiled decode up to batch 1; pooled above``."""
-    config = config or {}
-    kind = config.get("kind", DEFAULT_KIND)
-    if kind == BY_BATCH:
-        rules = config.get("rules") or []
-        parts = [f"{describe_cache(r.get('cache'))} up to batch {r['up_to']}" for r in rules if "up_to" in r]
-        return "; ".join([*parts, f"{describe_cache(rules[-1].get('cache'))} above"]) if rules else kind
-    if kind == "static" and config.get("compile", True):
-        return "static, compiled decode"
-    return str(kind)
-
-
-@register_cache(BY_BATCH)
-def _by_batch(options: dict[str, Any], shape: CacheShape) -> KVCache:
-    """What a kv_config stage writes when the fastest cache differs between batch sizes (e.g. a
-    compiled static cache at batch 1, a pooled one at batch 32)."""
-    rules = options.get("rules")
-    if set(options) != {"rules"} or not isinstance(rules, list) or not rules:
-        raise ValueError("the by_batch KV cache takes one option, rules: a list of {up_to, cache}, "
-                         "the last without up_to")
-    for i, rule in enumerate(rules):
-        last = i == len(rules) - 1
-        if not isinstance(rule, dict) or "cache" not in rule or ("up_to" in rule) == last:
-            raise ValueError(f"by_batch rule {i}: expected {{up_to: N, cache: {{...}}}}, "
-                             f"{'the last without' if last else 'with'} up_to; got {rule!r}")
-        kind = rule["cache"].get("kind", DEFAULT_KIND)
-        _builder(kind, rule["cache"].get("provider"))  # an unknown kind fails now, at any batch size
-    return build_cache(cache_for_batch(options | {"kind": BY_BATCH}, shape.batch_size), shape)
+    options = dict(config or {})
+    kind = options.pop("kind", DEFAULT_KIND)
+    try:
+        return kind_of(kind, options.pop("provider", None)).describe(options)
+    except (ValueError, ImportError):  # a kind this process cannot load is still named
+        return str(kind)
 
 
 def cache_for_batch(config: dict[str, Any], batch_size: int) -> dict[str, Any]:
@@ -208,6 +311,45 @@ def cache_for_batch(config: dict[str, Any], batch_size: int) -> dict[str, Any]:
         if "up_to" not in rule or batch_size <= rule["up_to"]:
             return rule["cache"]
     raise AssertionError("unreachable: the last rule matches every batch size")
+
+
+class _ByBatchKind(KindBase):
+    """What a kv_config stage writes when the fastest cache differs between batch sizes (e.g. a
+    compiled static cache at batch 1, a pooled one at batch 32). Never a candidate itself."""
+
+    name, provider, simplicity = BY_BATCH, None, 99
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
+        rules = options.get("rules")
+        if set(options) != {"rules"} or not isinstance(rules, list) or not rules:
+            raise ValueError("the by_batch KV cache takes one option, rules: a list of {up_to, cache}, "
+                             "the last without up_to")
+        for i, rule in enumerate(rules):
+            last = i == len(rules) - 1
+            if not isinstance(rule, dict) or "cache" not in rule or ("up_to" in rule) == last:
+                raise ValueError(f"by_batch rule {i}: expected {{up_to: N, cache: {{...}}}}, "
+                                 f"{'the last without' if last else 'with'} up_to; got {rule!r}")
+            kind_of(rule["cache"].get("kind", DEFAULT_KIND), rule["cache"].get("provider"))  # unknown: fail now
+        return build_cache(cache_for_batch(options | {"kind": BY_BATCH}, shape.batch_size), shape)
+
+    def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
+        # The rule a batch of that size would run decides; the largest batch any rule's own cache fits
+        # and that the rule covers is the answer.
+        best = 0
+        for rule in options.get("rules") or []:
+            cache = dict(rule["cache"])
+            fits = kind_of(cache.pop("kind", DEFAULT_KIND), cache.pop("provider", None)).max_batch(
+                budget_bytes, per_token_bytes, context_len, cache)
+            best = max(best, min(fits, rule.get("up_to", fits)))
+        return best
+
+    def describe(self, options: dict[str, Any]) -> str:
+        rules = options.get("rules") or []
+        parts = [f"{describe_cache(r.get('cache'))} up to batch {r['up_to']}" for r in rules if "up_to" in r]
+        return "; ".join([*parts, f"{describe_cache(rules[-1].get('cache'))} above"]) if rules else BY_BATCH
+
+
+register_kind(_ByBatchKind())
 
 
 def cache_factory(model: torch.nn.Module, config: dict[str, Any] | None = None) -> CacheFactory:
@@ -240,5 +382,5 @@ def cache_config_from_recipe(recipe: list[dict[str, Any]] | None) -> dict[str, A
 def _apply_kv_cache_step(model: Any, step: dict[str, Any]) -> Any:
     """A KV cache choice changes no weights: rebuilding a state only checks the kind can be built."""
     config = step.get("cache") or {}
-    _builder(config.get("kind", DEFAULT_KIND), config.get("provider"))
+    kind_of(config.get("kind", DEFAULT_KIND), config.get("provider"))
     return model

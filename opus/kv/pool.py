@@ -1,6 +1,6 @@
 """A preallocated, growing-in-steps KV cache whose storage comes from (and returns to) a pool.
 
-Cache kind ``"pooled"`` (registered in ``opus.kv.cache``; a kv_config stage writes it into the recipe)::
+Cache kind ``"pooled"`` (``POOLED``, registered with ``opus.kv.cache``; a kv_config stage writes it into the recipe)::
 
     {"kind": "pooled", "provider": "opus.kv.pool", "prealloc": 512, "step": 1024, "max_context": 8192}
 
@@ -25,35 +25,23 @@ from typing import Any
 
 import torch
 
-from opus.kv.cache import CacheShape, KVCache, register_cache
+from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
+from opus.kv.sizing import kv_bytes_per_token, memory_budget
+
+__all__ = ["POOLED", "BlockPool", "PooledKVCache", "cache_config", "capacity_for", "default_pool",
+           "kv_bytes_per_token", "max_batch", "memory_budget", "options_of"]
 
 KIND = "pooled"
 DEFAULTS = {"prealloc": 512, "step": 1024, "max_context": 8192}
 
 
 # -- sizing -------------------------------------------------------------------------------------------
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
 def capacity_for(tokens: int, prealloc: int, step: int, max_context: int) -> int:
     """Positions allocated for ``tokens``: ``prealloc``, then whole ``step``s, never past ``max_context``."""
     if tokens > max_context:
         raise ValueError(f"{tokens} positions exceed the KV cache's max_context {max_context}")
     cap = prealloc if tokens <= prealloc else prealloc + math.ceil((tokens - prealloc) / step) * step
     return min(cap, max_context)
-
-
-def memory_budget(fraction: float = 0.5, device: torch.device | str = "cpu") -> int:
-    """``fraction`` of the memory available now (CUDA: free device memory; else psutil's available)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * fraction)
-    import psutil
-
-    return int(psutil.virtual_memory().available * fraction)
 
 
 def max_batch(budget_bytes: int, per_token_bytes: int, context_len: int, prealloc: int, step: int,
@@ -123,7 +111,7 @@ def _release_all(pool: BlockPool, blocks: dict[int, torch.Tensor]) -> None:
 
 
 # -- the cache ----------------------------------------------------------------------------------------
-class PooledKVCache:
+class PooledKVCache(CacheBase):
     """KV cache for one batch: per layer one block ``[2, B, H, capacity, D]`` (K and V) from the pool."""
 
     def __init__(self, num_layers: int | None = None, prealloc: int = 512, step: int = 1024,
@@ -194,16 +182,29 @@ def options_of(config: dict[str, Any]) -> dict[str, int]:
     return {k: int(config.get(k, v)) for k, v in DEFAULTS.items()}
 
 
-@register_cache(KIND, provider_module="opus.kv.pool")
-def _pooled(options: dict[str, Any], shape: CacheShape) -> KVCache:
-    opts = options_of(options)
-    if shape.max_seq_len > opts["max_context"]:
-        raise ValueError(f"a request of {shape.max_seq_len} positions exceeds the pooled KV cache's "
-                         f"max_context {opts['max_context']}")
-    return PooledKVCache(shape.num_layers, pool=default_pool(), **opts)
-
-
 def cache_config(prealloc: int = 512, step: int = 1024, max_context: int = 8192) -> dict[str, Any]:
     """The cache config a recipe step carries (``opus.kv.cache.kv_cache_step(cache_config(...))``)."""
-    return {"kind": KIND, "provider": "opus.kv.pool", "prealloc": prealloc, "step": step,
-            "max_context": max_context}
+    return POOLED.config(prealloc=prealloc, step=step, max_context=max_context)
+
+
+class _PooledKind(KindBase):
+    name, provider, simplicity = KIND, "opus.kv.pool", 1
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
+        opts = options_of(options)
+        if shape.max_seq_len > opts["max_context"]:
+            raise ValueError(f"a request of {shape.max_seq_len} positions exceeds the pooled KV cache's "
+                             f"max_context {opts['max_context']}")
+        return PooledKVCache(shape.num_layers, pool=default_pool(), **opts)
+
+    def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
+        return max_batch(budget_bytes, per_token_bytes, context_len, **options_of(options))
+
+    def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """One per ``prealloc`` × ``step`` the stage lists, capped at its ``max_context``."""
+        context = int(settings.get("max_context", DEFAULTS["max_context"]))
+        return [cache_config(p, s, context) for p in settings.get("prealloc", [DEFAULTS["prealloc"]])
+                for s in settings.get("step", [DEFAULTS["step"]])]
+
+
+POOLED = register_kind(_PooledKind())

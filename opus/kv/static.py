@@ -10,8 +10,8 @@ writes its slot at a position *tensor* and attends to every slot through a ``slo
 mask, so step 100 has the same shapes and the same graph as step 1. Slots are the request's length
 rounded up to ``slot_multiple``, so nearby lengths share one compiled graph.
 
-The engine is unchanged: ``DecoderLM.forward`` hands a one-token step with this cache to
-``decode_step``, which runs the model through ``DecodeView`` (the same buffers, with ``positions``
+The engine is unchanged: the cache's ``decodes_itself`` is True, so ``DecoderLM.forward`` hands a
+one-token step to its ``decode_step``, which runs the model through ``DecodeView`` (the same buffers, with ``positions``
 and ``mask``) inside ``torch.compile``. Prefill runs eagerly through ``update`` (writes the first
 slots in place and returns views of the filled ones). ``compile: false`` runs the same masked step
 eagerly; a compile failure (no C++ compiler, an op inductor cannot lower) falls back to that too,
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.kv.cache import CacheShape, KVCache, register_cache
+from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
@@ -50,7 +50,7 @@ def max_batch(budget_bytes: int, per_token_bytes: int, context_len: int, slot_mu
     return max(0, budget_bytes // (per_token_bytes * slots_for(context_len, slot_multiple)))
 
 
-class DecodeView:
+class DecodeView(CacheBase):
     """What the model sees during a compiled decode step: every slot, the position, the mask.
 
     One tensor per layer, not one for all layers: written in place through a view of a bigger
@@ -60,8 +60,10 @@ class DecodeView:
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], key_pos: torch.Tensor,
                  positions: torch.Tensor) -> None:
-        self.k, self.v, self.positions = k, v, positions
-        self.mask = key_pos[None, :] <= positions[:, None]  # [T, S]: slot s visible to the token at p iff s <= p
+        self.k, self.v = k, v
+        self.positions: torch.Tensor | None = positions
+        # [T, S]: slot s is visible to the token at p iff s <= p.
+        self.mask: torch.Tensor | None = key_pos[None, :] <= positions[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.k[layer].index_copy_(2, self.positions, k)
@@ -69,8 +71,11 @@ class DecodeView:
         return self.k[layer], self.v[layer]
 
 
-class StaticKVCache:
-    """Preallocated K/V for every layer; eager ``update`` for prefill, ``decode_step`` for decoding."""
+class CompiledStaticKVCache(CacheBase):
+    """Preallocated K/V for every layer; eager ``update`` for prefill, ``decode_step`` (one compiled
+    graph, or the same step eagerly) for decoding."""
+
+    decodes_itself = True
 
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> None:
@@ -107,10 +112,14 @@ class StaticKVCache:
             raise ValueError(f"decode at position {start_pos}, but the static KV cache holds {self.seq_len}")
         self._check(start_pos + 1, input_ids.shape[0])
         self.position.fill_(start_pos)
-        step = compiled_step(model) if self.compile_decode else eager_step(model)
-        out = step(input_ids, self.position, self.k, self.v, self.key_pos)
+        out = self._run_step(model, input_ids)
         self._lens = [start_pos + 1] * len(self._lens)
         return out
+
+    def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
+        step = compiled_step(model) if self.compile_decode else eager_step(model)
+        return step(input_ids, self.position, self.k, self.v, self.key_pos)
 
     def _check(self, end: int, batch: int) -> None:
         if end > self.slots:
@@ -175,17 +184,50 @@ def compile_notes() -> list[str]:
     return list(dict.fromkeys(NOTES))
 
 
-def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> dict[str, Any]:
-    return {"kind": KIND, "provider": PROVIDER, "compile": compile_decode, "slot_multiple": slot_multiple}
-
-
-@register_cache(KIND, provider_module=PROVIDER)
-def _static(options: dict[str, Any], shape: CacheShape) -> KVCache:
-    unknown = set(options) - {"compile", "slot_multiple"}
-    if unknown:
-        raise ValueError(f"the static KV cache has no option {', '.join(sorted(unknown))} "
-                         "(it takes compile, slot_multiple)")
+def slot_multiple_of(options: dict[str, Any]) -> int:
     multiple = options.get("slot_multiple", DEFAULT_SLOT_MULTIPLE)
     if not isinstance(multiple, int) or multiple < 1:
         raise ValueError(f"slot_multiple must be a positive integer, got {multiple!r}")
-    return StaticKVCache(shape, bool(options.get("compile", True)), multiple)
+    return multiple
+
+
+def decoder_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot hand its decode steps to a cache: only Opus's decoder does (DecoderLM.forward)."""
+    from opus.models.decoder import DecoderLM
+
+    return None if isinstance(model, DecoderLM) else (
+        f"{type(model).__name__} is not an Opus decoder, which alone hands decode steps to the cache")
+
+
+class _StaticKind(KindBase):
+    name, provider, simplicity = KIND, PROVIDER, 2
+    OPTIONS = ("compile", "slot_multiple")
+
+    def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
+        unknown = set(options) - set(self.OPTIONS)
+        if unknown:
+            raise ValueError(f"the {self.name} KV cache has no option {', '.join(sorted(unknown))} "
+                             f"(it takes {', '.join(self.OPTIONS)})")
+        return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options))
+
+    def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
+        # The context rounded up to whole slot multiples, allocated at once.
+        return max_batch(budget_bytes, per_token_bytes, context_len, slot_multiple_of(options))
+
+    def describe(self, options: dict[str, Any]) -> str:
+        return "static, compiled decode" if options.get("compile", True) else "static"
+
+    def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        if not settings.get("include_static", True):
+            return []
+        return [cache_config(True, int(settings.get("static_slot_multiple", DEFAULT_SLOT_MULTIPLE)))]
+
+    def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
+        return decoder_reason(model)
+
+
+STATIC = register_kind(_StaticKind())
+
+
+def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> dict[str, Any]:
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple)

@@ -11,9 +11,11 @@ Interface used by the engine::
 
 With a cache, attention in layer i calls ``k_all, v_all = cache.update(i, k, v)`` (k, v after RoPE,
 ``[B, num_kv_heads, T, head_dim]``) and attends to everything the cache returns — masked by the
-cache's ``mask`` when it has one. A cache with ``decode_step`` (opus.kv.static) runs one-token
-steps itself: it calls the model back with a view that carries the ``positions`` as a tensor, so a
-compiled step never specializes on the position.
+cache's ``mask`` where it is not None. A cache whose ``decodes_itself`` is True (opus.kv.static,
+opus.kv.cuda_graph) runs one-token steps itself: it calls the model back with a view that carries the
+``positions`` as a tensor, so a compiled or captured step never specializes on the position. Every
+cache declares these hooks (opus.kv.cache.KVCache; ``CacheBase`` gives the defaults), so none is
+probed here.
 
 fx status (torch 2.13, tested in tests/models/test_fx.py): ``torch.fx.symbolic_trace`` succeeds on
 the whole model with ``concrete_args={"cache": None, "start_pos": 0, "last_only": False}`` (or
@@ -89,7 +91,7 @@ def cache_update(cache: object | None, layer: int, k: torch.Tensor,
 @torch.fx.wrap
 def cache_mask(cache: object | None) -> torch.Tensor | None:
     """The key mask a cache returns all of its slots with (a static cache's decode step), else None."""
-    return getattr(cache, "mask", None)
+    return None if cache is None else cache.mask  # type: ignore[attr-defined]
 
 
 @torch.fx.wrap
@@ -240,11 +242,13 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: object | None = None, start_pos: int = 0,
                 last_only: bool = False) -> torch.Tensor:
         t = input_ids.shape[1]
-        if hasattr(cache, "decode_step") and t == 1 and start_pos > 0:  # (cache first: fx traces cache=None)
-            # A static cache runs decode steps itself, as one compiled graph (opus.kv.static).
-            return cache.decode_step(self, input_ids, start_pos)  # type: ignore[union-attr]
+        if cache is not None and cache.decodes_itself and t == 1 and start_pos > 0:  # type: ignore[attr-defined]
+            # (cache first: fx traces cache=None.) A static cache runs decode steps itself, as one
+            # compiled graph (opus.kv.static) or one captured CUDA graph (opus.kv.cuda_graph).
+            return cache.decode_step(self, input_ids, start_pos)  # type: ignore[attr-defined]
         h = self.model.embed_tokens(input_ids)
-        given = getattr(cache, "positions", None)  # a compiled step's positions: a tensor, never an int
+        # A compiled step's positions: a tensor, never an int (set only on a static cache's DecodeView).
+        given = None if cache is None else cache.positions  # type: ignore[attr-defined]
         positions = given if given is not None else torch.arange(start_pos, start_pos + t, device=input_ids.device)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
         causal = cache is None or (given is None and start_pos == 0)

@@ -30,7 +30,7 @@ def tiny_llama() -> DecoderLM:
     return DecoderLM(cfg).eval()
 
 
-class PreallocatedCache:
+class PreallocatedCache(kvcache.CacheBase):
     """A test-only second kind: fixed buffers written in place, as a kv_config stage might register."""
 
     def __init__(self, shape: kvcache.CacheShape) -> None:

@@ -11,7 +11,7 @@ import torch
 from opus.bench.torch_contenders import find_cxx
 from opus.kv import static as static_cache
 from opus.kv.cache import BY_BATCH, GrowingKVCache, by_batch_config, cache_factory, make_cache
-from opus.kv.static import DecodeView, StaticKVCache, cache_config
+from opus.kv.static import CompiledStaticKVCache, DecodeView, cache_config
 from opus.runtime.engine import generate
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "fusion"))
@@ -35,7 +35,7 @@ def test_eager_static_decode_gives_the_growing_caches_logits(family):
 def test_slots_round_up_and_the_cache_refuses_what_does_not_fit():
     model = tiny_lm("llama")
     cache = cache_factory(model, cache_config(False, slot_multiple=16))(2, 17)
-    assert isinstance(cache, StaticKVCache) and cache.slots == 32
+    assert isinstance(cache, CompiledStaticKVCache) and cache.slots == 32
     with torch.inference_mode():
         model(prompts(2, 30), cache=cache, start_pos=0)
         with pytest.raises(ValueError, match="decode at position 29, but the static KV cache holds 30"):
@@ -115,7 +115,7 @@ def test_by_batch_builds_each_batch_sizes_cache():
     assert config["kind"] == BY_BATCH
     model = tiny_lm("llama")
     cfg = model.config
-    assert isinstance(make_cache(config, cfg, 1, 8), StaticKVCache)
+    assert isinstance(make_cache(config, cfg, 1, 8), CompiledStaticKVCache)
     assert isinstance(make_cache(config, cfg, 2, 8), GrowingKVCache)
     ids = prompts(3, 7)
     assert torch.equal(generate(model, ids, 5, cache_factory(model, config)).tokens, generate(model, ids, 5).tokens)

@@ -18,6 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers as tf  # noqa: E402
 
+from opus.kv.cache import CacheBase  # noqa: E402
+
 VOCAB = 97
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
@@ -55,7 +57,7 @@ def save_hf(model: Any, path: Path, **kw: Any) -> Path:
     return path
 
 
-class GrowingCache:
+class GrowingCache(CacheBase):
     """The simplest KV cache honouring Opus's contract: update(i, k, v) returns all keys so far."""
 
     def __init__(self) -> None:
