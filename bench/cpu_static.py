@@ -1,13 +1,13 @@
 """A compiled static-shape decode step on CPU, side by side with the eager engine, in one run.
 
 Batch-1 decode on CPU is bound by per-op dispatch (~1,300 aten calls per K3 step in eager PyTorch).
-This measures what removing it is worth: opus.gpu's ``StaticRunner`` (static KV cache, masked
+This measures what removing it is worth: opus.fusion.static_runner's ``StaticRunner`` (static KV cache, masked
 attention over all slots, every expert on every token) with its decode step compiled by inductor
 into one C++ wrapper (``cpp_wrapper``), against Opus's eager engine on the same model and prompts.
 
 Variants: ``engine fp32`` (the baseline: eager, growing KV cache); ``static W8A8 eager`` and
 ``static W8A8 compiled`` (SmoothQuant folded into a copy of the model first, exact in float, then
-int8 weights per channel, per-token int8 activations; opus.gpu stacks the experts, so the down
+int8 weights per channel, per-token int8 activations; opus.fusion.stacked_experts stacks the experts, so the down
 projection shares one scale per output channel across experts); ``static fp32 compiled``. For each, at batch 1
 and at ``--batch``: prefill ms and decode tokens/s (median of ``--repeats``), and greedy agreement
 with the baseline (teacher-forced: fed the baseline's tokens, does it choose the same next one?).
@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opus.gpu.runner import StaticRunner  # noqa: E402
+from opus.fusion.static_runner import StaticRunner  # noqa: E402
 from opus.models import load_model  # noqa: E402
 from opus.pipeline.spec import TextSetSpec  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from opus.gpu.experts import EXPERT_MODES
-from opus.gpu.fast import FastDecoder
+from opus.fusion.fast_decoder import FastDecoder
+from opus.fusion.stacked_experts import EXPERT_MODES
 from opus.models.decoder import DecoderLM
 from opus.runtime.engine import GenerationResult
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opus.gpu.runner import StaticRunner
+from opus.fusion.static_runner import StaticRunner
 from opus.kv.cache import GrowingKVCache
 
 

@@ -1,4 +1,4 @@
-"""The static-shape path (opus.gpu) computes what opus.runtime.engine computes.
+"""The static-shape path (opus.fusion.static_runner) computes what opus.runtime.engine computes.
 
 CPU, fp32, no graph capture: the step functions the CUDA graphs capture run eagerly here, so equal
 greedy tokens and logits prove the captured code's arithmetic. CUDA-only checks skip without a GPU.
@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opus.gpu import FastDecoder, StackedExperts, StaticRunner
+from opus.fusion.fast_decoder import FastDecoder
+from opus.fusion.stacked_experts import StackedExperts
+from opus.fusion.static_runner import StaticRunner
 from opus.gpu.qlinear import MinRows, quant_reason, quantize_linear
 from opus.kv.cache import GrowingKVCache
 from opus.models import DecoderLM, ModelConfig

@@ -6,7 +6,7 @@ experts can be quantized with opus.quant formats (``quant="fp8" | "w8a8" | "w4a1
 cannot take the format it stays in the model dtype and ``notes`` says why.
 
 ``forward(ids, positions, cache, prefill=..., experts=...)`` returns last-position logits ``[B, V]``
-and writes K/V for ``positions`` into a ``StaticKVCache``. ``prefill=True`` means the tokens start at
+and writes K/V for ``positions`` into a ``SlotKVBuffers``. ``prefill=True`` means the tokens start at
 position 0: attention is causal over the new tokens only (flash/efficient kernels). Otherwise the
 queries attend to every cache slot through a ``slot <= position`` mask; grouped-query heads are
 folded into the query length (``[B, Hkv, G·T, D]``) so the cache is never expanded per head.
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.gpu.experts import StackedExperts, grouped_mm_reason
+from opus.fusion.stacked_experts import StackedExperts, grouped_mm_reason
 from opus.gpu.qlinear import format_of, fuse_linears, module_bytes, quantize_linear
-from opus.kv.cuda_graph import StaticKVCache
+from opus.kv.cuda_graph import SlotKVBuffers
 from opus.models.decoder import DecoderLM, SparseMoE, apply_rope
 from opus.models.layout import DECODER
 
@@ -89,13 +89,13 @@ class FastDecoder(nn.Module):
     def has_moe(self) -> bool:
         return any(isinstance(layer.mlp, StackedExperts) for layer in self.layers)
 
-    def new_cache(self, batch_size: int, max_seq_len: int) -> StaticKVCache:
-        return StaticKVCache.for_config(self.config, batch_size, max_seq_len, self.device, self.dtype)
+    def new_cache(self, batch_size: int, max_seq_len: int) -> SlotKVBuffers:
+        return SlotKVBuffers.for_config(self.config, batch_size, max_seq_len, self.device, self.dtype)
 
     def prefill_mode(self) -> str:
         return "loop" if self.grouped_reason else "grouped"
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, prefill: bool,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVBuffers, prefill: bool,
                 experts: str = "dense") -> torch.Tensor:
         h = self.embed_tokens(ids)
         cos, sin = self.rotary_emb(positions, h.dtype)
@@ -106,7 +106,7 @@ class FastDecoder(nn.Module):
         return self.lm_head(self.norm(h[:, -1]))
 
     def _attention(self, i: int, layer: FastLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, cache: StaticKVCache, mask: torch.Tensor | None) -> torch.Tensor:
+                   positions: torch.Tensor, cache: SlotKVBuffers, mask: torch.Tensor | None) -> torch.Tensor:
         b, t = x.shape[0], x.shape[1]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = layer.qkv(x).split(self.splits, dim=-1)
