@@ -107,3 +107,28 @@ def test_fuse_then_kv_config_then_eval_through_the_runner(tmp_path):
     assert main(argv) == 0  # resume: every stage's checkpoint is reused
     again = json.loads((run_dir / "summary.json").read_text())
     assert [s["status"] for s in again["stages"]] == ["cached", "cached", "cached"]
+
+
+def test_the_cuda_graph_kind_is_a_candidate_uncaptured_on_cpu_or_skipped_with_the_reason(tmp_path):
+    """Candidates come from the registry: on CPU the CUDA-graph kind is listed unavailable with why, by
+    default, and measured (its step uncaptured) against the others with ``cuda_graph: true``."""
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
+    logs: list[str] = []
+    ctx = context(pipeline, tmp_path / "default", "kv")
+    ctx.log = logs.append  # type: ignore[method-assign]
+    kv_config.run(ctx, kv_config.Config(**SMALL))
+    report = json.loads((tmp_path / "default" / "artifacts" / "kv_config.json").read_text())
+    assert [u["cache"]["kind"] for u in report["unavailable"]] == ["cuda_graph"]
+    assert "CUDA graphs need a CUDA device" in report["unavailable"][0]["skipped"]
+    assert any("cuda_graph" in line and "skipped" in line for line in logs)  # never silently
+    assert "cuda_graph" not in {c["cache"]["kind"] for c in report["candidates"]}
+
+    result = kv_config.run(context(pipeline, tmp_path / "cpu", "kv"), kv_config.Config(**SMALL, cuda_graph=True))
+    report = json.loads((tmp_path / "cpu" / "artifacts" / "kv_config.json").read_text())
+    assert report["unavailable"] == []
+    graph_rows = [c for c in report["candidates"] if c["cache"]["kind"] == "cuda_graph"]
+    assert [r["batch_size"] for r in graph_rows] == [1, 2] and all(r["throughput_tok_s"] > 0 for r in graph_rows)
+    assert graph_rows[0]["cache"]["capture"] is False  # the same step, uncaptured
+    decisions = json.loads((tmp_path / "cpu" / "artifacts" / "decisions.json").read_text())["decisions"]
+    assert all(any(c["name"] == graph_rows[0]["label"] for c in d["candidates"]) for d in decisions)
+    assert result.metrics["kv_exact_match"] == 1.0  # whichever won computes the growing cache's tokens
