@@ -28,6 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from opus.pipeline.context import StageContext, StageResult
+from opus.pipeline.contracts import Failure
 from opus.pipeline.replay import source_artifact
 from opus.runtime.choose import DEFAULT_ROUNDS, write_decisions
 
@@ -199,9 +200,9 @@ def reference_shape(reference: Any) -> tuple[int, ...]:
     return tuple(inputs.shape) if hasattr(inputs, "shape") else ()
 
 
-def remedy(cfg: Config, failure: dict) -> Config | None:
+def remedy(cfg: Config, failure: Failure) -> Config | None:
     """After a failed gate on a fusion metric: switch off the riskiest pattern still on."""
-    if not str(failure.get("metric", "")).startswith("fusion_"):
+    if not (failure.metric or "").startswith("fusion_"):
         return None
     for pattern in RISK_ORDER:
         if pattern in cfg.patterns:

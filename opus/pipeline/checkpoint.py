@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from opus.atomic import fsync_dir, fsync_file, read_json, sha256_file, write_json
+from opus.pipeline.contracts import JOB_FILE, RESULT_FILE, ResultRecord, read_result
 from opus.pipeline.state import STATE_FILE, TENSORS_FILE
 
 MANIFEST = "manifest.json"
-RESULT = "result.json"
-JOB = "job.json"  # the worker's orders, kept as evidence
-BOOKKEEPING = {RESULT, JOB}
+BOOKKEEPING = {RESULT_FILE, JOB_FILE}  # the worker's orders and its report: evidence, not content
 
 
 class DiskSpaceError(OSError):
@@ -59,7 +58,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def write_checkpoint(out_dir: Path, *, key: str, stage_id: str, uses: str, state: dict[str, Any],
-                     result: dict[str, Any], tensors: dict[str, Any] | None = None,
+                     result: ResultRecord, tensors: dict[str, Any] | None = None,
                      inherit_tensors_from: Path | None = None, reserve_mb: int = 0,
                      key_parts: dict[str, str] | None = None) -> None:
     """Fill ``out_dir`` with state, tensors, result and artifacts; fsync; then write the manifest.
@@ -81,7 +80,7 @@ def write_checkpoint(out_dir: Path, *, key: str, stage_id: str, uses: str, state
         check_free_disk(out_dir, 0, reserve_mb)
         state["tensors"] = None
     write_json(out_dir / STATE_FILE, state)
-    write_json(out_dir / RESULT, result)
+    write_json(out_dir / RESULT_FILE, result.as_json())
     files = sorted(p for p in out_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
     for path in files:
         fsync_file(path)
@@ -126,7 +125,7 @@ def content_digest(path: Path) -> str:
     """
     manifest = read_manifest(path)
     files = {name: digest for name, digest in manifest.get("files", {}).items() if name not in BOOKKEEPING}
-    payload = {"key": manifest.get("key"), "files": files, "metrics": read_result(path).get("metrics")}
+    payload = {"key": manifest.get("key"), "files": files, "metrics": read_result(path).metrics}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -134,10 +133,6 @@ def estimate_checkpoint_bytes(incoming: Path | None) -> int:
     """A stage that changes the model writes at most about the incoming tensors again."""
     tensors = incoming / TENSORS_FILE if incoming else None
     return tensors.stat().st_size if tensors and tensors.is_file() else 0
-
-
-def read_result(path: Path) -> dict[str, Any]:
-    return read_json(path / RESULT)
 
 
 def move_aside(path: Path, into: Path, suffix: str = "") -> Path:

@@ -15,23 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opus.pipeline.contracts import ARTIFACTS_SUBDIR, UpstreamView
 from opus.pipeline.spec import PipelineSpec
-
-
-@dataclass
-class UpstreamStage:
-    """A finished stage this one depends on (directly or transitively)."""
-
-    id: str
-    uses: str
-    key: str
-    status: str
-    metrics: dict[str, Any]
-    dir: Path
-    baseline: bool = False
-
-    def artifact(self, name: str) -> Path:
-        return self.dir / "artifacts" / name
 
 
 @dataclass
@@ -57,7 +42,7 @@ class StageContext:
     uses: str
     spec: PipelineSpec
     base_dir: Path
-    upstream: dict[str, UpstreamStage]
+    upstream: dict[str, UpstreamView]  # finished stages this one depends on (directly or transitively)
     incoming: Path | None  # checkpoint directory whose model state this stage starts from
     out_dir: Path  # the checkpoint being built; artifacts go under out_dir / "artifacts"
     attempt: int = 0
@@ -68,7 +53,7 @@ class StageContext:
 
     @property
     def artifact_dir(self) -> Path:
-        path = self.out_dir / "artifacts"
+        path = self.out_dir / ARTIFACTS_SUBDIR
         path.mkdir(parents=True, exist_ok=True)
         return path
 

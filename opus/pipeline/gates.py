@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from opus.pipeline.contracts import GateCheck, GateVerdict
 from opus.pipeline.spec import Threshold
 
 # Short names users write in YAML -> the metric keys stages report.
@@ -47,7 +48,7 @@ def _passes(bound: str, limit: float, value: float, base: float | None) -> tuple
 
 
 def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
-               baseline: dict[str, Any] | None) -> dict[str, Any]:
+               baseline: dict[str, Any] | None) -> GateVerdict:
     """Evaluate every bound; the verdict lists each check with threshold, measured and baseline."""
     checks: list[dict[str, Any]] = []
     for name, threshold in gate.items():
@@ -71,7 +72,8 @@ def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
                     check["reason"] = f"{key} {bound} {limit}: measured {compared:.4g}"
             checks.append(check)
     checks += _finite_checks(metrics, {c["metric"] for c in checks})
-    return {"passed": all(c["passed"] for c in checks), "checks": checks}
+    typed = [GateCheck.model_validate(c) for c in checks]
+    return GateVerdict(passed=all(c.passed for c in typed), checks=typed)
 
 
 def _finite_checks(metrics: dict[str, Any], gated: set[str]) -> list[dict[str, Any]]:
@@ -89,10 +91,6 @@ def _finite_checks(metrics: dict[str, Any], gated: set[str]) -> list[dict[str, A
     return out
 
 
-def verified(verdict: dict[str, Any] | None) -> bool:
+def verified(verdict: GateVerdict | None) -> bool:
     """True when a verdict checked something and everything it checked passed."""
-    return bool(verdict and verdict["checks"] and verdict["passed"])
-
-
-def first_failure(verdict: dict[str, Any]) -> dict[str, Any] | None:
-    return next((c for c in verdict["checks"] if not c["passed"]), None)
+    return verdict is not None and verdict.verified

@@ -15,6 +15,7 @@ from types import ModuleType
 from pydantic import BaseModel
 
 from opus.pipeline.code_reach import stage_code_digest
+from opus.pipeline.contracts import Failure
 
 ENTRY_POINT_GROUP = "opus.stages"
 
@@ -61,7 +62,7 @@ class StageType:
             raise UnknownStageType(f"stage type '{self.name}' declares ROLE {role!r}; known: {', '.join(ROLES)}")
         return role
 
-    def remedy(self, cfg: BaseModel, failure: dict) -> BaseModel | None:
+    def remedy(self, cfg: BaseModel, failure: Failure) -> BaseModel | None:
         fn = getattr(self.module, "remedy", None)
         return fn(cfg, failure) if fn else None
 

@@ -34,12 +34,12 @@ from opus.pipeline.checkpoint import (
     new_temp_dir,
     read_manifest,
     read_manifest_key,
-    read_result,
     write_checkpoint,
 )
 from opus.pipeline.console import RunDisplay
+from opus.pipeline.contracts import Failure, GateVerdict, Job, ResultRecord, UpstreamView, read_result
 from opus.pipeline.events import EventLog
-from opus.pipeline.gates import check_gate, first_failure, verified
+from opus.pipeline.gates import check_gate, verified
 from opus.pipeline.graph import ancestors, execution_order, validate
 from opus.pipeline.keys import changed_parts, key_parts, run_context_fingerprint, stage_key
 from opus.pipeline.lock import RunLock
@@ -65,10 +65,19 @@ class StageRecord:
     dir: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     baseline: bool = False
-    gate: dict[str, Any] | None = None
+    gate: GateVerdict | None = None
     attempts: int = 0
     duration_s: float | None = None
     note: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        """The summary's row for this stage."""
+        return {**asdict(self), "gate": self.gate.as_json() if self.gate else None}
+
+    def upstream_view(self) -> UpstreamView:
+        assert self.dir is not None  # only stages with a checkpoint are upstream of anything
+        return UpstreamView(id=self.id, uses=self.uses, key=self.key, status=self.status, metrics=self.metrics,
+                            dir=Path(self.dir), baseline=self.baseline)
 
 
 class Runner:
@@ -109,7 +118,7 @@ class Runner:
                     stage = self.spec.stage(stage_id)
                     self.records[stage_id] = StageRecord(stage_id, stage.uses, "", "skipped", self._role(stage_id),
                                                          note="not run: the run ended before it")
-            records = [asdict(self.records[s]) for s in order]
+            records = [self.records[s].as_json() for s in order]
             status, reasons = run_status(records, stopped)
             summary = build_summary(self.run_dir.name, status, records, self.rollbacks, error, reasons)
             try:
@@ -162,9 +171,9 @@ class Runner:
             elif path is None:
                 entry["why"] = self._why_no_checkpoint(stage_id, parts)
             else:
-                failure = read_result(path).get("failure") or {}
-                if failure.get("kind") in TRANSIENT_FAILURES:
-                    entry.update(action="retry", why=f"rolled back for a cause that can pass ({failure['kind']})")
+                failure = read_result(path).failure
+                if failure and failure.kind in TRANSIENT_FAILURES:
+                    entry.update(action="retry", why=f"rolled back for a cause that can pass ({failure.kind})")
                 else:
                     entry.update(action="reuse", why="hashes and lineage verify", key=key)
                     digests[stage_id] = content_digest(path)
@@ -206,19 +215,18 @@ class Runner:
         if path is None:
             return False
         result = read_result(path)
-        failure = result.get("failure") or {}
-        if result["status"] == "rolled_back" and failure.get("kind") in TRANSIENT_FAILURES:
+        failure = result.failure
+        if result.status == "rolled_back" and failure and failure.kind in TRANSIENT_FAILURES:
             self.display.line(f"  {stage_id}: rolled back last time for a cause that can pass "
-                              f"({failure['kind']}: {failure.get('reason', '')}); running it again")
-            self.events.emit("stage_retried_on_resume", stage=stage_id, failure=failure)
+                              f"({failure.kind}: {failure.reason}); running it again")
+            self.events.emit("stage_retried_on_resume", stage=stage_id, failure=failure.as_json())
             return False
-        status = "cached" if result["status"] == "done" else result["status"]
+        status = "cached" if result.status == "done" else result.status
         stage = self.spec.stage(stage_id)
-        gate = check_gate(stage.gate, result["metrics"], self._baseline()) if status == "cached" else None
+        gate = check_gate(stage.gate, result.metrics, self._baseline()) if status == "cached" else None
         record = StageRecord(stage_id, stage.uses, key, status, self._role(stage_id), str(path),
-                             result["metrics"], result.get("baseline", False), gate,
-                             result.get("attempt", 0) + 1, result.get("duration_s"),
-                             failure.get("reason", "from checkpoint"))
+                             result.metrics, result.baseline, gate, result.attempt + 1, result.duration_s,
+                             failure.reason if failure else "from checkpoint")
         self.records[stage_id] = record
         self.events.emit("stage_cached", stage=stage_id, key=key)
         self.display.finished(stage_id, status, record.metrics, None, "(checkpoint reused)")
@@ -228,16 +236,12 @@ class Runner:
         return next((r.metrics for r in self.records.values() if r.baseline), None)
 
     def _job(self, stage_id: str, key: str, cfg: Any, attempt: int, remedy: Any,
-             incoming: Path | None, out_dir: Path) -> dict[str, Any]:
-        upstream = [{"id": r.id, "uses": r.uses, "key": r.key, "status": r.status, "metrics": r.metrics,
-                     "dir": r.dir, "baseline": r.baseline}
-                    for n in ancestors(self.graph, stage_id) if (r := self.records[n]).dir]
-        return {"run_dir": str(self.run_dir), "stage_id": stage_id, "uses": self.spec.stage(stage_id).uses,
-                "key": key, "key_parts": self.key_parts[stage_id], "config": cfg.model_dump(mode="json"),
-                "attempt": attempt, "remedy": remedy,
-                "incoming": str(incoming) if incoming else None, "upstream": upstream,
-                "out_dir": str(out_dir), "pipeline": str(self.run_dir / PIPELINE_FILE),
-                "base_dir": str(self.loaded.base_dir)}
+             incoming: Path | None, out_dir: Path) -> Job:
+        upstream = [r.upstream_view() for n in ancestors(self.graph, stage_id) if (r := self.records[n]).dir]
+        return Job(run_dir=self.run_dir, stage_id=stage_id, uses=self.spec.stage(stage_id).uses, key=key,
+                   key_parts=self.key_parts[stage_id], config=cfg.model_dump(mode="json"), attempt=attempt,
+                   remedy=remedy, incoming=incoming, upstream=upstream, out_dir=out_dir,
+                   pipeline=self.run_dir / PIPELINE_FILE, base_dir=self.loaded.base_dir)
 
     def _execute(self, stage_id: str, key: str, final: Path, incoming: Path | None) -> None:
         stage = self.spec.stage(stage_id)
@@ -246,29 +250,31 @@ class Runner:
         while True:
             out_dir = new_temp_dir(final)
             outcome, seconds = self._attempt(stage_id, key, cfg, attempt, remedy, incoming, final, out_dir)
-            metrics, failure = {}, {"kind": outcome.kind, "reason": outcome.message}
+            metrics, failure = {}, Failure(kind=outcome.kind, reason=outcome.message)
             if outcome.kind == "ok":
                 result = read_result(out_dir)
-                metrics = result["metrics"]
-                gate = check_gate(stage.gate, metrics, None if result.get("baseline") else self._baseline())
-                if gate["passed"]:
+                metrics = result.metrics
+                gate = check_gate(stage.gate, metrics, None if result.baseline else self._baseline())
+                if gate.passed:
                     commit(out_dir, final)
                     self._record(stage_id, key, "done", final, result, gate, attempt, seconds)
                     return
-                failure = {"kind": "gate", **first_failure(gate)}
+                failed_check = gate.first_failure()
+                assert failed_check is not None  # a verdict that did not pass has a failed check
+                failure = Failure.of_gate(failed_check)
             action, next_cfg, why = self._decide(stage_id, cfg, failure, attempt)
             next_remedy = _config_change(cfg, next_cfg) if next_cfg is not None else None
             restore = incoming if action == "retry" else self._restore_point(stage_id, incoming)
             self._rollback(stage_id, attempt, failure, metrics, action, next_remedy, restore, out_dir)
             self.display.finished(stage_id, "rolled_back", metrics, seconds,
-                                  f"— {failure['reason']} → {action}" + (f" ({why})" if why else ""))
+                                  f"— {failure.reason} → {action}" + (f" ({why})" if why else ""))
             if action == "retry":
                 cfg, remedy, attempt = next_cfg, next_remedy, attempt + 1
                 continue
             if action == "abort":
                 self.records[stage_id] = StageRecord(stage_id, stage.uses, key, "failed", self._role(stage_id),
-                                                     None, metrics, attempts=attempt + 1, note=failure["reason"])
-                raise RunFailed(f"stage '{stage_id}' failed ({failure['reason']}); {why}")
+                                                     None, metrics, attempts=attempt + 1, note=failure.reason)
+                raise RunFailed(f"stage '{stage_id}' failed ({failure.reason}); {why}")
             self._pass_through(stage_id, key, final, restore, attempt, failure)
             return
 
@@ -298,21 +304,21 @@ class Runner:
             return 0
         return estimate_checkpoint_bytes(incoming) or self.base_model_bytes
 
-    def _decide(self, stage_id: str, cfg: Any, failure: dict[str, Any], attempt: int) -> tuple[str, Any, str]:
+    def _decide(self, stage_id: str, cfg: Any, failure: Failure, attempt: int) -> tuple[str, Any, str]:
         """``(action, config of the next attempt, why)`` after a failed attempt: retry, skip or abort."""
         stage = self.spec.stage(stage_id)
         stage_type = self.types[stage_id][0]
-        if failure["kind"] == "disk":
+        if failure.kind == "disk":
             return "abort", None, DISK_FULL
         if self._role(stage_id) == "baseline":
             return "abort", None, "the baseline cannot be skipped: without it no ratio means anything"
-        if failure["kind"] == "input":  # bad input or an unsupported operation repeats on every attempt
+        if failure.kind == "input":  # bad input or an unsupported operation repeats on every attempt
             return ("skip", None, "not retried: it cannot change") if stage.on_fail == "skip" else (
                 "abort", None, "not retried: the failure cannot change on retry")
         if stage.on_fail != "retry":
             return stage.on_fail, None, "" if stage.on_fail == "skip" else "on_fail is abort"
         max_retries = stage.retries if stage.retries is not None else self.spec.run.max_retries
-        next_cfg = stage_type.remedy(cfg, failure) if failure["kind"] == "gate" else cfg
+        next_cfg = stage_type.remedy(cfg, failure) if failure.kind == "gate" else cfg
         if attempt < max_retries and next_cfg is not None:
             return "retry", next_cfg, ""
         return "abort", None, ("on_fail is retry and the retries are used up" if next_cfg is not None
@@ -335,27 +341,25 @@ class Runner:
             needs = self.spec.stage(record.id).needs
         return None
 
-    def _record(self, stage_id: str, key: str, status: str, final: Path, result: dict[str, Any],
-                gate: dict[str, Any] | None, attempt: int, seconds: float | None, note: str = "") -> None:
+    def _record(self, stage_id: str, key: str, status: str, final: Path, result: ResultRecord,
+                gate: GateVerdict | None, attempt: int, seconds: float | None, note: str = "") -> None:
         stage = self.spec.stage(stage_id)
-        record = StageRecord(stage_id, stage.uses, key, status, self._role(stage_id), str(final), result["metrics"],
-                             result.get("baseline", False), gate, attempt + 1,
-                             round(seconds, 3) if seconds else None, note)
+        record = StageRecord(stage_id, stage.uses, key, status, self._role(stage_id), str(final), result.metrics,
+                             result.baseline, gate, attempt + 1, round(seconds, 3) if seconds else None, note)
         self.records[stage_id] = record
         self.events.emit("stage_" + status, stage=stage_id, key=key, metrics=record.metrics,
-                         gate=gate, attempts=attempt + 1)
+                         gate=gate.as_json() if gate else None, attempts=attempt + 1)
         if status == "done":
             self.display.finished(stage_id, status, record.metrics, seconds)
 
-    def _rollback(self, stage_id: str, attempt: int, failure: dict[str, Any], metrics: dict[str, Any],
+    def _rollback(self, stage_id: str, attempt: int, failure: Failure, metrics: dict[str, Any],
                   action: str, remedy: Any, restored: Path | None, out_dir: Path) -> None:
         rejected = move_aside(out_dir, self.run_dir / "rejected", f"-{stage_id}-attempt{attempt}")
         drop_tensors(rejected)
         record = {
-            "stage": stage_id, "attempt": attempt, "kind": failure["kind"],
-            "metric": failure.get("metric"), "bound": failure.get("bound"),
-            "threshold": failure.get("threshold"), "measured": failure.get("measured"),
-            "baseline": failure.get("baseline"), "reason": failure["reason"],
+            "stage": stage_id, "attempt": attempt, "kind": failure.kind, "metric": failure.metric,
+            "bound": failure.bound, "threshold": failure.threshold, "measured": failure.measured,
+            "baseline": failure.baseline, "reason": failure.reason,
             "remedy": remedy if remedy is not None else "none",
             "action": action, "restored": restored.name if restored else "base model",
             "evidence": str(rejected.relative_to(self.run_dir)), "time": round(time.time(), 3),
@@ -364,16 +368,15 @@ class Runner:
         self.events.emit("rollback", **record)
 
     def _pass_through(self, stage_id: str, key: str, final: Path, restored: Path | None, attempt: int,
-                      failure: dict[str, Any]) -> None:
+                      failure: Failure) -> None:
         """Commit the restored state under this stage, with the failure, so resume knows what happened."""
         out_dir = new_temp_dir(final)
-        result = {"status": "rolled_back", "metrics": {}, "baseline": False, "attempt": attempt,
-                  "failure": failure}
+        result = ResultRecord(status="rolled_back", attempt=attempt, failure=failure)
         write_checkpoint(out_dir, key=key, key_parts=self.key_parts[stage_id], stage_id=stage_id,
                          uses=self.spec.stage(stage_id).uses, state=read_state(restored, self.spec), result=result,
                          inherit_tensors_from=restored, reserve_mb=self.spec.run.min_free_disk_mb)
         commit(out_dir, final)
-        self._record(stage_id, key, "rolled_back", final, result, None, attempt, None, failure["reason"])
+        self._record(stage_id, key, "rolled_back", final, result, None, attempt, None, failure.reason)
 
 
 def source_bytes(source: dict[str, Any], base_dir: Path) -> int:

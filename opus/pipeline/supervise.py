@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from opus.atomic import read_json, write_json
-from opus.pipeline.worker import ERROR_FILE, EXIT_DISK
+from opus.pipeline.contracts import Job, WorkerError
+from opus.pipeline.worker import EXIT_DISK
 
 POLL_S = 0.1
 
@@ -85,11 +85,11 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def run_worker(job: dict[str, Any], job_path: Path, log_path: Path, *, stall_timeout_s: float,
+def run_worker(job: Job, job_path: Path, log_path: Path, *, stall_timeout_s: float,
                timeout_s: float | None, on_message: Callable[[dict[str, Any]], None],
                env: dict[str, str] | None = None) -> WorkerOutcome:
     """Run one attempt to completion, or stop it; KeyboardInterrupt stops the worker and re-raises."""
-    write_json(job_path, job)
+    job.write(job_path)
     read_fd, write_fd = os.pipe()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
@@ -120,10 +120,9 @@ def run_worker(job: dict[str, Any], job_path: Path, log_path: Path, *, stall_tim
     _reap_group(proc)  # nothing a stage started outlives it
     if proc.returncode == 0:
         return WorkerOutcome("ok", returncode=0)
-    error_file = Path(job["out_dir"]) / ERROR_FILE
-    error = read_json(error_file) if error_file.is_file() else {}
-    kind = "disk" if proc.returncode == EXIT_DISK else error.get("kind", "crash")
-    message = error.get("message") or (
+    error = WorkerError.read(job.out_dir)
+    kind = "disk" if proc.returncode == EXIT_DISK else error.kind if error else "crash"
+    message = (error.message if error else "") or (
         "no space left on device (the worker could not even write its error report)" if kind == "disk"
         else _describe_exit(proc.returncode))
     return WorkerOutcome(kind, f"{message} (log: {log_path})", proc.returncode)

@@ -16,17 +16,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from opus.atomic import write_json
 from opus.errors import OpusError
 from opus.pipeline.checkpoint import is_disk_full, write_checkpoint
-from opus.pipeline.context import StageContext, StageResult, UpstreamStage
+from opus.pipeline.context import StageContext, StageResult
+from opus.pipeline.contracts import Job, ResultRecord, WorkerError
 from opus.pipeline.registry import load_stage_type
 from opus.pipeline.spec import load_pipeline
 from opus.pipeline.state import changed_tensors, read_state
 
 EXIT_CRASH = 1
 EXIT_DISK = 4
-ERROR_FILE = "error.json"
 
 
 def _die_with_parent() -> None:
@@ -59,15 +58,13 @@ def _jsonable_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _finish(ctx: StageContext, job: dict[str, Any], result: StageResult, started: float) -> None:
-    incoming = Path(job["incoming"]) if job["incoming"] else None
-    record = {
-        "status": "done", "metrics": _jsonable_metrics(result.metrics), "baseline": result.baseline,
-        "info": result.info, "attempt": job["attempt"], "config": job["config"],
-        "remedy": job.get("remedy"), "duration_s": round(time.monotonic() - started, 3),
-    }
-    common = dict(key=job["key"], key_parts=job.get("key_parts"), stage_id=job["stage_id"], uses=job["uses"],
-                  result=record,
+def _finish(ctx: StageContext, job: Job, result: StageResult, started: float) -> None:
+    incoming = job.incoming
+    record = ResultRecord(
+        status="done", metrics=_jsonable_metrics(result.metrics), baseline=result.baseline,
+        info=json.loads(json.dumps(result.info, default=str)), attempt=job.attempt, config=job.config,
+        remedy=job.remedy, duration_s=round(time.monotonic() - started, 3))
+    common = dict(key=job.key, key_parts=job.key_parts, stage_id=job.stage_id, uses=job.uses, result=record,
                   reserve_mb=ctx.spec.run.min_free_disk_mb)
     if result.model is None:
         state = read_state(incoming, ctx.spec)
@@ -86,23 +83,21 @@ def _finish(ctx: StageContext, job: dict[str, Any], result: StageResult, started
 
 def main(argv: list[str]) -> int:
     _die_with_parent()
-    job = json.loads(Path(argv[0]).read_text())
+    job = Job.read(Path(argv[0]))
     report = _channel(int(argv[1]))
-    out_dir = Path(job["out_dir"])
+    out_dir = job.out_dir
     started = time.monotonic()
     try:
-        loaded = load_pipeline(job["pipeline"], base_dir=Path(job["base_dir"]), check_paths=False)
-        stage_type = load_stage_type(job["uses"])
-        cfg = stage_type.config_class.model_validate(job["config"])
-        upstream = {u["id"]: UpstreamStage(**{**u, "dir": Path(u["dir"])}) for u in job["upstream"]}
+        loaded = load_pipeline(job.pipeline, base_dir=job.base_dir, check_paths=False)
+        stage_type = load_stage_type(job.uses)
+        cfg = stage_type.config_class.model_validate(job.config)
         ctx = StageContext(
-            run_dir=Path(job["run_dir"]), stage_id=job["stage_id"], uses=job["uses"], spec=loaded.spec,
-            base_dir=Path(job["base_dir"]), upstream=upstream,
-            incoming=Path(job["incoming"]) if job["incoming"] else None, out_dir=out_dir,
-            attempt=job["attempt"], remedy=job.get("remedy"), report=report)
+            run_dir=job.run_dir, stage_id=job.stage_id, uses=job.uses, spec=loaded.spec, base_dir=job.base_dir,
+            upstream={u.id: u for u in job.upstream}, incoming=job.incoming, out_dir=out_dir,
+            attempt=job.attempt, remedy=job.remedy, report=report)
         result = stage_type.module.run(ctx, cfg)
         if not isinstance(result, StageResult):
-            raise TypeError(f"stage type '{job['uses']}' returned {type(result).__name__}, not StageResult")
+            raise TypeError(f"stage type '{job.uses}' returned {type(result).__name__}, not StageResult")
         report({"t": "progress", "done": 1, "total": 1, "what": "writing checkpoint"})
         _finish(ctx, job, result, started)
         return 0
@@ -112,7 +107,7 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
         message = str(exc) if isinstance(exc, OpusError) else f"{type(exc).__name__}: {exc}"
         try:
-            write_json(out_dir / ERROR_FILE, {"kind": kind, "message": message.splitlines()[0][:500]})
+            WorkerError(kind=kind, message=message.splitlines()[0][:500]).write(out_dir)
         except OSError as error:  # a disk too full for even the error report: that is the failure now
             if not is_disk_full(error):
                 raise

@@ -11,7 +11,8 @@ import torch
 
 from opus.atomic import write_json
 from opus.kv.cache import kv_cache_step
-from opus.pipeline.context import StageContext, UpstreamStage
+from opus.pipeline.context import StageContext
+from opus.pipeline.contracts import UpstreamView
 from opus.pipeline.preflight import undeclared_metrics
 from opus.pipeline.spec import load_pipeline
 from opus.pipeline.state import STATE_FILE, base_state
@@ -89,7 +90,7 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     reference = tmp_path / "baseline" / "artifacts" / REFERENCE
     assert reference.is_file()
 
-    up = UpstreamStage(id="baseline", uses="baseline", key="k", status="done", metrics=result.metrics,
+    up = UpstreamView(id="baseline", uses="baseline", key="k", status="done", metrics=result.metrics,
                        dir=tmp_path / "baseline", baseline=True)
     ctx, _ = context(project, tmp_path / "check", "check", upstream={"baseline": up})
     got = eval_stage.run(ctx, eval_stage.Config()).metrics

@@ -8,6 +8,7 @@ import pytest
 from fusion_project import context, make_project
 
 from opus.fusion import PATTERNS, GroupedMoE
+from opus.pipeline.contracts import Failure
 from opus.pipeline.preflight import undeclared_metrics
 from stages import fuse
 
@@ -80,10 +81,10 @@ def test_failed_check_fails_loudly_or_reports(pipeline, tmp_path):
 
 def test_remedy_switches_off_the_riskiest_pattern():
     cfg = fuse.Config()
-    nxt = fuse.remedy(cfg, {"metric": "fusion_exact_match"})
+    nxt = fuse.remedy(cfg, Failure(kind="gate", reason="r", metric="fusion_exact_match"))
     assert "moe_grouped" not in nxt.patterns and len(nxt.patterns) == len(cfg.patterns) - 1
-    assert fuse.remedy(cfg, {"metric": "throughput_tok_s"}) is None
-    assert fuse.remedy(fuse.Config(patterns=[]), {"metric": "fusion_cosine"}) is None
+    assert fuse.remedy(cfg, Failure(kind="gate", reason="r", metric="throughput_tok_s")) is None
+    assert fuse.remedy(fuse.Config(patterns=[]), Failure(kind="gate", reason="r", metric="fusion_cosine")) is None
 
 
 GENERIC = """
