@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Failure
 from opus.pipeline.replay import source_artifact
@@ -156,7 +157,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     compiled = None
     if cfg.compile.enabled and lm:
         settings = cfg.compile.model_dump(exclude={"enabled", "rounds"})
-        replay = source_artifact(ctx, "fusion.json")  # run.decisions_from: that run's compile choice
+        replay = source_artifact(ctx, FUSION_FILE)  # run.decisions_from: that run's compile choice
         if replay is not None:
             record = json.loads(replay.read_text()).get("compile")
             compiled = fusion.replay_compile(model, record, settings, str(replay))
@@ -188,7 +189,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
                 "dispatch_share": "ops per decode step x time of a 1-element add, over the decode step's "
                                   "wall time (a floor: module-call overhead not included)"},
     }
-    ctx.write_artifact("fusion.json", report)
+    ctx.write_artifact(FUSION_FILE, report)
     if failures and cfg.check.action == "raise":
         raise RuntimeError("fusion changed the model's outputs: " + "; ".join(failures)
                            + " (fusion.json lists every rewrite; ignore a pattern or module to exclude it)")

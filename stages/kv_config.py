@@ -37,6 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.kv.cache import KV_CONFIG_FILE
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.runtime.choose import DEFAULT_ROUNDS, replayed, write_decisions
@@ -219,7 +220,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     if context > max_ctx:
         raise ValueError(f"the workload needs {context} positions; max_context is {max_ctx}")
     batches = sorted(set(cfg.batch_sizes or [1, wl.batch_size]))
-    replay = source_artifact(ctx, "kv_config.json")  # run.decisions_from: that run's caches
+    replay = source_artifact(ctx, KV_CONFIG_FILE)  # run.decisions_from: that run's caches
     candidates, unavailable = ([], []) if replay else _candidates(cfg, max_ctx, model)
     for row in unavailable:  # never silently: logged, and listed in kv_config.json
         ctx.log(f"KV cache {_label(row['cache'])} skipped: {row['skipped']}")
@@ -268,7 +269,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     notes = static_cache.compile_notes()
     for note in notes:
         ctx.log(note)
-    ctx.write_artifact("kv_config.json", {"chosen": chosen, "sizing": sizing, "candidates": rows,
+    ctx.write_artifact(KV_CONFIG_FILE, {"chosen": chosen, "sizing": sizing, "candidates": rows,
                                           "unavailable": unavailable,
                                           "winners": {str(b): r["cache"] for b, r in winners.items()},
                                           "notes": notes,

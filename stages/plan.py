@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from opus.errors import InputError
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
-from opus.quant.calibrate import collect_stats
+from opus.quant.calibrate import CALIBRATION_FILE, collect_stats
 from opus.quant.formats import FORMATS, known
-from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
+from opus.quant.plan import PLAN_FILE, PlanRequest, assignment_from_plan, make_plan
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.runtime.data import load_blocks
 
@@ -83,12 +83,12 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         raise InputError("the plan stage needs data.calibration (or data.evaluation) text")
     blocks = load_blocks(text_set, loaded.tokenizer, ctx.base_dir)
     stats = collect_stats(model, blocks, percentile=cfg.percentile, progress=ctx.progress)
-    stats.save(ctx.artifact_dir / "calibration.safetensors")
-    replay = source_artifact(ctx, "plan.yaml")  # run.decisions_from: that run's plan, not timed again
+    stats.save(ctx.artifact_dir / CALIBRATION_FILE)
+    replay = source_artifact(ctx, PLAN_FILE)  # run.decisions_from: that run's plan, not timed again
     decisions: list[Decision] = []
     if replay is not None:
         doc = _user_plan(replay, model, f"replayed from {replay}")
-        decisions.append(replayed("plan", "plan.yaml", str(replay)))
+        decisions.append(replayed("plan", PLAN_FILE, str(replay)))
     elif cfg.plan_file:
         doc = _user_plan(ctx.base_dir / cfg.plan_file, model)
     else:
@@ -97,7 +97,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
                               cfg.group_size, cfg.end_to_end_check, cfg.rounds)
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
     write_decisions(ctx, decisions)
-    ctx.write_artifact("plan.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
+    ctx.write_artifact(PLAN_FILE, yaml.safe_dump(doc, sort_keys=False, width=120))
     counts: dict[str, int] = {}
     for group in doc["groups"]:
         counts[group["format"]] = counts.get(group["format"], 0) + 1

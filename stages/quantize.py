@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Failure
 from opus.quant.apply import quantize_model
-from opus.quant.calibrate import ActivationStats
+from opus.quant.calibrate import CALIBRATION_FILE, ActivationStats
 from opus.quant.formats import is_noop, noop_name, promote
-from opus.quant.plan import assignment_from_plan
+from opus.quant.plan import PLAN_FILE, assignment_from_plan
 from opus.runtime.data import load_blocks
 from opus.runtime.metrics import Progress, evaluate_lm, model_mb
 
@@ -32,9 +32,9 @@ class Config(BaseModel):
 
 def _plan(ctx: StageContext) -> tuple[dict[str, Any], ActivationStats]:
     for upstream in reversed(list(ctx.upstream.values())):
-        if upstream.artifact("plan.yaml").is_file():
-            doc = yaml.safe_load(upstream.artifact("plan.yaml").read_text())
-            return doc, ActivationStats.load(upstream.artifact("calibration.safetensors"))
+        if upstream.artifact(PLAN_FILE).is_file():
+            doc = yaml.safe_load(upstream.artifact(PLAN_FILE).read_text())
+            return doc, ActivationStats.load(upstream.artifact(CALIBRATION_FILE))
     raise ValueError("quantize needs an upstream plan stage (no plan.yaml among its inputs)")
 
 

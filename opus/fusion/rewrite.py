@@ -25,6 +25,7 @@ from opus.fusion.tracing import Ignore, regions, replace_module, trace, try_trac
 from opus.recipe import register_transform
 
 KIND = "fuse"
+FUSION_FILE = "fusion.json"  # the fuse stage's report: sites, ignored modules, compile choice
 FX_ORDER = ("linear_group", "silu_mul", "add_rmsnorm", "rmsnorm")
 STEP_VERSION = 1
 

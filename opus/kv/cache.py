@@ -38,6 +38,7 @@ from opus.recipe import register_transform
 
 DEFAULT_KIND = "growing"
 RECIPE_KIND = "kv_cache"
+KV_CONFIG_FILE = "kv_config.json"  # the kv_config stage's report: candidates measured, the choice, sizing
 BY_BATCH = "by_batch"
 
 

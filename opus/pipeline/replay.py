@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from opus.errors import InputError
+from opus.fusion.rewrite import FUSION_FILE
+from opus.kv.cache import KV_CONFIG_FILE
 from opus.pipeline.run_files import ARTIFACTS_DIR, find_artifact
+from opus.quant.plan import PLAN_FILE
 
-REPLAYED = ("plan.yaml", "kv_config.json", "fusion.json")  # the files the deciding stages replay
+REPLAYED = (PLAN_FILE, KV_CONFIG_FILE, FUSION_FILE)  # the files the deciding stages replay
 
 
 def source_run(decisions_from: str | None, base_dir: Path) -> Path | None:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+CALIBRATION_FILE = "calibration.safetensors"  # ActivationStats.save: what quantize calibrates from
+
 Progress = Callable[[float, float, str], None]
 
 

@@ -20,6 +20,8 @@ from opus.quant.speed import KernelTimer, group_rounds_ms
 from opus.quant.validate import PLAN, check_end_to_end
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
 
+PLAN_FILE = "plan.yaml"  # the plan stage's document: the chosen format per group, and why
+
 Progress = Callable[[float, float, str], None]
 
 
