@@ -20,6 +20,7 @@ from torch import nn
 
 from opus.fusion.linear_ops import StackedLinear, StackedQuantLinear, concat_linears, stack_linears
 from opus.fusion.ops import swiglu
+from opus.models.layout import swiglu_parts
 
 
 def moe_reason(module: nn.Module) -> str | None:
@@ -29,7 +30,7 @@ def moe_reason(module: nn.Module) -> str | None:
     if not isinstance(module, SparseMoE):
         return f"{type(module).__name__}: routing semantics unknown (only Opus SparseMoE is grouped)"
     for expert in module.experts:
-        if not all(hasattr(expert, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        if swiglu_parts(expert) is None:
             return f"expert {type(expert).__name__} is not gate/up/down SwiGLU"
     return None
 
@@ -114,14 +115,15 @@ def group_moe(module: nn.Module) -> GroupedMoE | str:
     reason = moe_reason(module)
     if reason:
         return reason
+    parts = [p for p in map(swiglu_parts, module.experts) if p is not None]  # all of them: moe_reason checked
     gate_ups = []
-    for expert in module.experts:
-        fused = concat_linears([expert.gate_proj, expert.up_proj])
+    for gate, up, _ in parts:
+        fused = concat_linears([gate, up])
         if isinstance(fused, str):
             return f"mixed/quantized experts: not stacked ({fused})"
         gate_ups.append(fused)
     gate_up = stack_linears(gate_ups)
-    down = stack_linears([e.down_proj for e in module.experts])
+    down = stack_linears([d for _, _, d in parts])
     for stacked in (gate_up, down):
         if isinstance(stacked, str):
             return stacked

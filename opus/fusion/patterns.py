@@ -25,6 +25,7 @@ from torch import nn
 
 from opus.fusion import ops
 from opus.fusion.linear_ops import _CONCAT, concat_linears
+from opus.models.layout import DECODER
 
 
 @dataclass
@@ -69,10 +70,11 @@ def _find_module_node(gm: fx.GraphModule, target: str) -> fx.Node:
 def _group_name(targets: list[str]) -> tuple[str, str]:
     prefix = targets[0].rpartition(".")[0]
     lasts = [t.rpartition(".")[2] for t in targets]
-    if lasts == ["q_proj", "k_proj", "v_proj"]:
-        pattern, name = "qkv", "qkv_proj"
-    elif lasts == ["gate_proj", "up_proj"]:
-        pattern, name = "gate_up", "gate_up_proj"
+    # The fused linear's name (``qkv_proj``, ``gate_up_proj``) is recorded in recipes: never rename it.
+    if lasts == list(DECODER.qkv):
+        pattern, name = DECODER.qkv_group, f"{DECODER.qkv_group}_proj"
+    elif lasts == list(DECODER.gate_up):
+        pattern, name = DECODER.gate_up_group, f"{DECODER.gate_up_group}_proj"
     else:
         pattern, name = "linear_group", "__".join(lasts)
     return pattern, f"{prefix}.{name}" if prefix else name

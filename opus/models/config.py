@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from opus.errors import EXIT_INVALID, OpusError
+from opus.models import layout
 
 
 class ModelLoadError(OpusError):
@@ -18,16 +19,9 @@ class ModelLoadError(OpusError):
     exit_code = EXIT_INVALID
 
 
-# HF model_type -> Opus family. The family decides the defaults the config.json may omit.
-FAMILIES: dict[str, str] = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mixtral": "mixtral",
-    "qwen2_moe": "qwen2_moe",
-    "qwen3_moe": "qwen3_moe",
-}
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# HF model_type -> Opus family, and the MoE families: both derived from the one family table.
+FAMILIES: dict[str, str] = layout.FAMILIES
+MOE_FAMILIES = layout.MOE_FAMILIES
 
 
 @dataclass
@@ -91,19 +85,22 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Translate a Hugging Face config.json (as a dict) into a ModelConfig."""
     model_type = cfg.get("model_type")
-    family = FAMILIES.get(str(model_type))
-    if family is None:
+    fam = layout.family_for_model_type(model_type)
+    if fam is None:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
+    family = fam.name
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
         raise ModelLoadError("sliding-window attention is not supported")
-    if family == "mixtral" and cfg.get("sliding_window"):
+    if fam.sliding_window_key and cfg.get("sliding_window"):
         raise ModelLoadError(f"sliding-window attention is not supported (sliding_window={cfg['sliding_window']})")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     layers = int(cfg["num_hidden_layers"])
-    attention_bias = bool(cfg.get("attention_bias", False))
+    # Bias switches: a family reads them from its own config key, or fixes them (qwen2: q/k/v only).
+    qkv_bias = bool(cfg.get(fam.qkv_bias_key, fam.qkv_bias)) if fam.qkv_bias_key else fam.qkv_bias
+    o_bias = bool(cfg.get(fam.o_bias_key, False)) if fam.o_bias_key else False
     kw: dict[str, Any] = dict(
         family=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -117,22 +114,17 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=attention_bias,
-        o_bias=attention_bias,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=fam.qk_norm,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
     )
-    if family == "qwen2":
-        kw.update(qkv_bias=True, o_bias=False)  # Qwen2 hard-codes bias on q/k/v only
-    if family == "qwen2_moe":
-        kw.update(qkv_bias=bool(cfg.get("qkv_bias", True)), o_bias=False)
-    if family in ("qwen3", "qwen3_moe"):
-        kw["qk_norm"] = True
-    if family == "mixtral":
+    if fam.moe == "mixtral":
         kw.update(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
                   moe_intermediate_size=kw["intermediate_size"], norm_topk_prob=True)
-    if family in ("qwen2_moe", "qwen3_moe"):
+    if fam.moe == "qwen":
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         step = int(cfg.get("decoder_sparse_step", 1) or 1)
         dense_only = set(cfg.get("mlp_only_layers") or [])
@@ -142,7 +134,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             moe_intermediate_size=int(cfg["moe_intermediate_size"]),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-            if family == "qwen2_moe" else 0,
+            if fam.shared_expert else 0,
             moe_layers=[experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)],
         )
     return ModelConfig(**kw)

@@ -10,29 +10,35 @@ Qwen architectures use llama.cpp's NeoX RoPE and are stored unpermuted.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from opus.models import layout
 from opus.models.config import ModelConfig, ModelLoadError
 
-# GGUF general.architecture -> Opus family (llama with experts is Mixtral).
-ARCHES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
-_NORM_TOPK_DEFAULT = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}  # llama.cpp's per-arch choice
-_BLOCK = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
-    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+# GGUF general.architecture -> Opus family (llama with experts is Mixtral: layout.family_for_gguf).
+ARCHES = layout.GGUF_ARCHES
+_D = layout.DECODER
+_BLOCK = {  # llama.cpp's per-block tensor names -> the decoder's paths inside a layer
+    "attn_norm": _D.input_norm, "ffn_norm": _D.post_attention_norm,
+    "attn_q": f"{_D.attention}.{_D.q_proj}", "attn_k": f"{_D.attention}.{_D.k_proj}",
+    "attn_v": f"{_D.attention}.{_D.v_proj}", "attn_output": f"{_D.attention}.{_D.o_proj}",
+    "attn_q_norm": f"{_D.attention}.{_D.q_norm}", "attn_k_norm": f"{_D.attention}.{_D.k_norm}",
+    "ffn_gate": f"{_D.mlp}.{_D.gate_proj}", "ffn_up": f"{_D.mlp}.{_D.up_proj}", "ffn_down": f"{_D.mlp}.{_D.down_proj}",
+    "ffn_gate_inp": f"{_D.mlp}.{_D.router}",
+    "ffn_gate_shexp": f"{_D.mlp}.{_D.shared_expert}.{_D.gate_proj}",
+    "ffn_up_shexp": f"{_D.mlp}.{_D.shared_expert}.{_D.up_proj}",
+    "ffn_down_shexp": f"{_D.mlp}.{_D.shared_expert}.{_D.down_proj}",
+    "ffn_gate_inp_shexp": f"{_D.mlp}.{_D.shared_expert_gate}",
 }
-_EXPS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
+_EXPS = {"ffn_gate_exps": _D.gate_proj, "ffn_up_exps": _D.up_proj, "ffn_down_exps": _D.down_proj}
+_PER_EXPERT = {"ffn_gate": _D.gate_proj, "ffn_up": _D.up_proj, "ffn_down": _D.down_proj}  # legacy Mixtral files
+_TOP = {"token_embd.weight": f"{_D.embedding}.weight", "output_norm.weight": f"{_D.final_norm}.weight",
+        "output.weight": f"{_D.lm_head}.weight"}
 # Pre-tokenizer split patterns for byte-level BPE vocabularies (tokenizer.ggml.pre).
 _PRE_REGEX = {
     "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -75,29 +81,46 @@ def _tensors(reader: Any, path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _config(reader: Any, raw: dict[str, torch.Tensor], path: Path) -> ModelConfig:
-    arch = str(_field(reader, "general.architecture", ""))
+class _Metadata:
+    """A GGUF reader's fields as a read-only ``get(key, default)`` mapping, values decoded on demand."""
+
+    def __init__(self, reader: Any) -> None:
+        self.reader = reader
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _field(self.reader, key, default)
+
+
+def config_from_gguf(meta: Mapping[str, Any] | _Metadata, raw: Mapping[str, Any], path: Path | str) -> ModelConfig:
+    """A ModelConfig from GGUF metadata (key -> value, as llama.cpp writes it) and the tensors' shapes.
+
+    ``raw`` is read for presence and shapes only (biases, q/k norms, expert sizes), so tests can pass
+    any objects with a ``shape``.
+    """
+    arch = str(meta.get("general.architecture", ""))
     if arch not in ARCHES:
         raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHES))}")
 
     def key(name: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{name}", default)
+        value = meta.get(f"{arch}.{name}", default)
         if value is None:
             raise ModelLoadError(f"{path}: missing GGUF metadata key {arch}.{name}")
         return value
 
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in raw:
         raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (only the default RoPE)")
-    gating = _field(reader, f"{arch}.expert_gating_func", 1)
+    gating = meta.get(f"{arch}.expert_gating_func", 1)
     if gating != 1:  # llama.cpp: 1 = softmax, 2 = sigmoid
         raise ModelLoadError(f"{path}: expert gating function {gating} is not supported (only softmax)")
     hidden, layers = int(key("embedding_length")), int(key("block_count"))
     heads = int(key("attention.head_count"))
-    tokens = _field(reader, "tokenizer.ggml.tokens")
-    vocab = int(_field(reader, f"{arch}.vocab_size", len(tokens) if tokens else raw["token_embd.weight"].shape[0]))
-    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
-    family = "mixtral" if arch == "llama" and experts else ARCHES[arch]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens else raw["token_embd.weight"].shape[0]))
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    fam = layout.family_for_gguf(arch, moe=experts > 0)
+    assert fam is not None  # arch is in ARCHES
+    family = fam.name
     moe_layers = [f"blk.{i}.ffn_gate_inp.weight" in raw for i in range(layers)]
     moe_inter = next((raw[f"blk.{i}.ffn_gate_exps.weight"].shape[1] for i in range(layers)
                       if f"blk.{i}.ffn_gate_exps.weight" in raw), 0)
@@ -105,22 +128,22 @@ def _config(reader: Any, raw: dict[str, torch.Tensor], path: Path) -> ModelConfi
         moe_inter = next((raw[k].shape[0] for k in raw if re.match(r"blk\.\d+\.ffn_gate\.\d+\.weight$", k)), 0)
     shared = next((raw[f"blk.{i}.ffn_gate_shexp.weight"].shape[0] for i in range(layers)
                    if f"blk.{i}.ffn_gate_shexp.weight" in raw), 0)
-    bos, eos = _field(reader, "tokenizer.ggml.bos_token_id"), _field(reader, "tokenizer.ggml.eos_token_id")
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         family=family, vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length", 0) or 0),
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length", 0) or 0),
         num_layers=layers, num_heads=heads,
-        num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length", hidden // heads)),
         max_position_embeddings=int(key("context_length")),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         tie_word_embeddings="output.weight" not in raw,
         qkv_bias="blk.0.attn_q.bias" in raw, o_bias="blk.0.attn_output.bias" in raw,
         mlp_bias="blk.0.ffn_up.bias" in raw, qk_norm="blk.0.attn_q_norm.weight" in raw,
-        num_experts=experts, top_k=int(_field(reader, f"{arch}.expert_used_count", 0) or 0),
+        num_experts=experts, top_k=int(meta.get(f"{arch}.expert_used_count", 0) or 0),
         moe_intermediate_size=int(moe_inter),
-        norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", _NORM_TOPK_DEFAULT.get(family, True))),
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", fam.gguf_norm_topk)),
         shared_expert_intermediate_size=int(shared), moe_layers=moe_layers if experts else [],
         bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
     )
@@ -128,6 +151,7 @@ def _config(reader: Any, raw: dict[str, torch.Tensor], path: Path) -> ModelConfi
 
 def map_gguf_tensors(raw: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) -> dict[str, torch.Tensor]:
     """Rename llama.cpp tensors to the decoder's names; unpermute llama-arch q/k; split expert stacks."""
+    permuted = any(f.gguf_permuted_qk for f in layout.FAMILY_TABLE if f.gguf_arch == arch)
     out: dict[str, torch.Tensor] = {}
     for name, t in raw.items():
         if name in _TOP:
@@ -138,14 +162,15 @@ def map_gguf_tensors(raw: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) 
             out[name] = t  # reported as unexpected by build_model, by its GGUF name
             continue
         layer, kind, expert, param = m[1], m[2], m[3], m[4]
-        prefix = f"model.layers.{layer}"
+        prefix = f"{_D.layers}.{layer}"
+        experts = f"{prefix}.{_D.mlp}.{_D.experts}"
         if kind in _EXPS:
             for e in range(t.shape[0]):
-                out[f"{prefix}.mlp.experts.{e}.{_EXPS[kind]}.weight"] = t[e]
-        elif expert is not None and kind in ("ffn_gate", "ffn_up", "ffn_down"):
-            out[f"{prefix}.mlp.experts.{expert}.{kind[4:]}_proj.weight"] = t
+                out[f"{experts}.{e}.{_EXPS[kind]}.weight"] = t[e]
+        elif expert is not None and kind in _PER_EXPERT:
+            out[f"{experts}.{expert}.{_PER_EXPERT[kind]}.weight"] = t
         elif kind in _BLOCK:
-            if arch == "llama" and kind in ("attn_q", "attn_k"):
+            if permuted and kind in ("attn_q", "attn_k"):
                 t = unpermute_qk(t, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
             if kind == "ffn_gate_inp_shexp":
                 t = t.reshape(1, -1)  # llama.cpp stores the shared-expert gate as a vector
@@ -198,6 +223,6 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any | N
     except Exception as e:  # the gguf package raises bare ValueErrors on foreign files
         raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
     raw = _tensors(reader, path)
-    cfg = _config(reader, raw, path)
+    cfg = config_from_gguf(_Metadata(reader), raw, path)
     arch = str(_field(reader, "general.architecture"))
     return cfg, map_gguf_tensors(raw, cfg, arch), gguf_tokenizer(reader)

@@ -197,7 +197,9 @@ _BY_NAME = {f.name: f for f in FAMILY_TABLE}
 # HF model_type -> Opus family name; the family decides the defaults the config.json may omit.
 FAMILIES: dict[str, str] = {f.model_type: f.name for f in FAMILY_TABLE}
 MOE_FAMILIES = tuple(f.name for f in FAMILY_TABLE if f.moe)
-GGUF_ARCHES = tuple(dict.fromkeys(f.gguf_arch for f in FAMILY_TABLE if f.gguf_arch))
+# GGUF architecture -> the family of a file without experts (dense rows last, so they win the key).
+GGUF_ARCHES: dict[str, str] = {f.gguf_arch: f.name for f in sorted(FAMILY_TABLE, key=lambda f: bool(f.moe),
+                                                                   reverse=True) if f.gguf_arch}
 
 
 def family(name: str) -> Family:

@@ -1,16 +1,19 @@
-"""Quantization groups: layers that must share a format (q/k/v; the experts of one layer)."""
+"""Quantization groups: layers that must share a format (q/k/v; gate/up; the experts of one layer).
+
+Which layers group together and the role each group gets come from ``opus.models.layout``, the same
+table profiling reads, so a plan's group roles and profile.json's roles are one vocabulary.
+"""
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass, field
 
 from torch import nn
 
-EXPERT = re.compile(r"^(?P<layer>.*\.mlp)\.experts\.\d+\.(?P<proj>\w+)$")
-QKV = re.compile(r"^(?P<attn>.*\.self_attn)\.[qkv]_proj$")
-GATE_UP = re.compile(r"^(?P<mlp>.*\.(mlp|shared_expert))\.(gate|up)_proj$")
+from opus.models.layout import ROUTER_PATTERNS, format_group, module_roles
+
+__all__ = ["ROUTER_PATTERNS", "QGroup", "build_groups", "matches", "tied_to_embedding", "uniform_assignment"]
 
 
 @dataclass
@@ -18,31 +21,6 @@ class QGroup:
     name: str
     modules: list[str] = field(default_factory=list)
     role: str = "other"
-
-
-def role_of(name: str) -> str:
-    if ".experts." in name or ".shared_expert." in name:
-        return "experts"
-    if name.endswith("mlp.gate") or name.endswith("shared_expert_gate"):
-        return "router"
-    if ".self_attn." in name:
-        return "attention"
-    if "lm_head" in name:
-        return "lm_head"
-    if ".mlp." in name:
-        return "mlp"
-    return "other"
-
-
-def _group_name(name: str) -> str:
-    if match := EXPERT.match(name):
-        proj = "gate_up" if match["proj"] in ("gate_proj", "up_proj") else match["proj"]
-        return f"{match['layer']}.experts.{proj}"
-    if match := QKV.match(name):
-        return f"{match['attn']}.qkv"
-    if match := GATE_UP.match(name):  # a dense or shared-expert SwiGLU: gate and up read one input
-        return f"{match['mlp']}.gate_up"
-    return name
 
 
 def matches(name: str, patterns: list[str]) -> bool:
@@ -63,6 +41,7 @@ def build_groups(model: nn.Module, include: list[str], exclude: list[str], *,
     costs memory instead of saving it — a trade for the planner, not for a uniform format.
     """
     groups: dict[str, QGroup] = {}
+    roles = module_roles(model)
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -70,13 +49,9 @@ def build_groups(model: nn.Module, include: list[str], exclude: list[str], *,
             continue
         if not tied and tied_to_embedding(model, name):
             continue
-        key = _group_name(name)
-        groups.setdefault(key, QGroup(key, role=role_of(name))).modules.append(name)
+        key = format_group(name)
+        groups.setdefault(key, QGroup(key, role=roles[name])).modules.append(name)
     return list(groups.values())
-
-
-# Routers decide which expert runs: quantizing them moves tokens, not just values.
-ROUTER_PATTERNS = ["*.mlp.gate", "*shared_expert_gate"]
 
 
 def uniform_assignment(model: nn.Module, fmt: str, group_size: int = 128,

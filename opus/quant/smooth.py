@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from opus.models.layout import DECODER
 from opus.quant.calibrate import ActivationStats
 from opus.quant.kernels import fake_int8_activation, fake_int8_weight
 
@@ -29,29 +30,35 @@ class SmoothGroup:
 
 
 def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
-    """Groups for Opus's decoder models; other modules get none (W8A8 then runs unsmoothed)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
+    """Groups for Opus's decoder models; other modules get none (W8A8 then runs unsmoothed).
+
+    Paths come from the layout table: per layer, the input norm feeds q/k/v, v feeds o, each SwiGLU's
+    up feeds its down, and the post-attention norm feeds every reader of the MLP input (the router,
+    the shared-expert gate, every expert's gate/up).
+    """
+    d = DECODER
+    try:
+        layers = model.get_submodule(d.layers)
+    except AttributeError:
         return []
     groups: list[SmoothGroup] = []
     for i, layer in enumerate(layers):
-        p = f"model.layers.{i}"
-        attn = f"{p}.self_attn"
-        groups.append(SmoothGroup(f"{p}.input_layernorm", "norm", [f"{attn}.{n}_proj" for n in "qkv"]))
-        groups.append(SmoothGroup(f"{attn}.v_proj", "v_to_o", [f"{attn}.o_proj"]))
-        mlp = layer.mlp
-        experts = [(f"{p}.mlp.experts.{e}", ex) for e, ex in enumerate(getattr(mlp, "experts", []))]
-        if getattr(mlp, "shared_expert", None) is not None:
-            experts.append((f"{p}.mlp.shared_expert", mlp.shared_expert))
-        if not experts:
-            experts = [(f"{p}.mlp", mlp)]
-        readers = [f"{p}.mlp.gate"] if hasattr(mlp, "experts") else []
-        if getattr(mlp, "shared_expert_gate", None) is not None:
-            readers.append(f"{p}.mlp.shared_expert_gate")
-        for prefix, _ in experts:
-            readers += [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
-            groups.append(SmoothGroup(f"{prefix}.up_proj", "rows", [f"{prefix}.down_proj"]))
-        groups.append(SmoothGroup(f"{p}.post_attention_layernorm", "norm", readers))
+        attn, mlp_name = d.attention_of(i), d.mlp_of(i)
+        groups.append(SmoothGroup(f"{d.layer(i)}.{d.input_norm}", "norm", [f"{attn}.{n}" for n in d.qkv]))
+        groups.append(SmoothGroup(f"{attn}.{d.v_proj}", "v_to_o", [f"{attn}.{d.o_proj}"]))
+        mlp = getattr(layer, d.mlp)
+        swiglus = [f"{mlp_name}.{d.experts}.{e}" for e in range(len(getattr(mlp, d.experts, [])))]
+        if getattr(mlp, d.shared_expert, None) is not None:
+            swiglus.append(f"{mlp_name}.{d.shared_expert}")
+        if not swiglus:
+            swiglus = [mlp_name]
+        readers = [f"{mlp_name}.{d.router}"] if hasattr(mlp, d.experts) else []
+        if getattr(mlp, d.shared_expert_gate, None) is not None:
+            readers.append(f"{mlp_name}.{d.shared_expert_gate}")
+        for prefix in swiglus:
+            readers += [f"{prefix}.{n}" for n in d.gate_up]
+            groups.append(SmoothGroup(f"{prefix}.{d.up_proj}", "rows", [f"{prefix}.{d.down_proj}"]))
+        groups.append(SmoothGroup(f"{d.layer(i)}.{d.post_attention_norm}", "norm", readers))
     return groups
 
 

@@ -15,8 +15,9 @@ the KV cache filled by that prefill) are run three ways:
 Timed runs are ``warmup`` discarded then ``repeats`` kept, medians reported. On CUDA every hook
 synchronizes, so times are kernel times, not launch-queue times (and the hooked run is slower).
 
-Roles come from module names (Hugging Face conventions) and types, so any ``nn.Module`` whose forward
-takes ``input_ids`` gets a profile; unmatched modules are "other". "router" is the router linear plus
+Roles come from module names (Hugging Face conventions) and types, by ``opus.models.layout`` (the
+vocabulary quantization groups use too), so any ``nn.Module`` whose forward takes ``input_ids`` gets
+a profile; unmatched modules are "other". "router" is the router linear plus
 an MoE block's own time (softmax, top-k, token gathers, index_add): routing and dispatch glue, the
 part grouped GEMMs remove. "experts" are the expert MLPs themselves (shared experts included). A
 model without Opus's KV-cache interface (``forward(input_ids, cache, start_pos, last_only)``) gets a
@@ -48,17 +49,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from opus.kv.cache import CacheFactory, cache_factory
+from opus.models.layout import ROLES, module_roles  # roles: one vocabulary for profile.json and plans
 from opus.runtime.engine import logits_of, model_device, supports_cache, sync
 
-ROLES = ("attention", "experts", "router", "mlp", "norms", "embedding", "lm_head", "other")
+PROFILE_FILE = "profile.json"  # the profile stage's document (see the module docstring), drawn by the report
 PHASES = ("prefill", "decode")
 ProgressFn = Callable[[float, float | None, str], None]
-
-_ATTENTION = {"self_attn", "attn", "attention", "self_attention", "cross_attn", "rotary_emb", "rotary"}
-_EXPERTS = {"experts", "shared_expert", "shared_experts"}
-_ROUTERS = {"router", "shared_expert_gate"}
-_MLP = {"mlp", "ffn", "feed_forward", "feedforward", "ff"}
-_HEADS = {"lm_head", "output", "embed_out"}
 
 
 @dataclass(frozen=True)
@@ -70,38 +66,7 @@ class ProfileWorkload:
     repeats: int = 3
 
 
-# -- roles --------------------------------------------------------------------------------------
-def module_roles(model: nn.Module) -> dict[str, str]:
-    """Role of every named module ("" is the root)."""
-    names = dict(model.named_modules())
-    # A module with an ``experts`` child is an MoE block: its own time is routing and token dispatch.
-    moe_blocks = {n[: -len("experts")].rstrip(".") for n in names if n == "experts" or n.endswith(".experts")}
-    return {name: _role(name, module, moe_blocks) for name, module in names.items()}
-
-
-def _role(name: str, module: nn.Module, moe_blocks: set[str]) -> str:
-    if not name:
-        return "other"
-    parts = name.split(".")
-    parent = name.rpartition(".")[0]
-    if _EXPERTS & set(parts):
-        return "experts"
-    if name in moe_blocks or parts[-1] in _ROUTERS or (parts[-1] == "gate" and parent in moe_blocks):
-        return "router"
-    if _ATTENTION & set(parts):
-        return "attention"  # q/k norms and RoPE included: they are part of attention's cost
-    if isinstance(module, nn.Embedding) or any(p.startswith("embed") and p != "embed_out" for p in parts):
-        return "embedding"
-    if name in _HEADS:
-        return "lm_head"
-    kind = type(module).__name__.lower()
-    if "norm" in kind or "norm" in parts[-1] or parts[-1].startswith("ln"):
-        return "norms"
-    if _MLP & set(parts):
-        return "mlp"
-    return "other"
-
-
+# -- weights ------------------------------------------------------------------------------------
 def weight_bytes_by_module(model: nn.Module) -> dict[str, int]:
     """Bytes of parameters and buffers per owning module; a shared storage counts once (first owner).
 
