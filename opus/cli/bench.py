@@ -1,6 +1,6 @@
 """``opus bench PIPELINE_OR_RUN``: runtimes and formats side by side, in one process and one run.
 
-cli.py only registers this: ``add_parsers(sub)`` and ``COMMANDS``; torch and the contenders are
+opus.cli.main only registers this: ``add_parsers(sub)`` and ``COMMANDS``; torch and the contenders are
 imported inside the command.
 """
 

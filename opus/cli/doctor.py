@@ -12,6 +12,10 @@ from typing import Any
 from opus.errors import EXIT_OK
 
 
+def add_parsers(sub: Any) -> None:
+    sub.add_parser("doctor", help="what this machine can do: torch, CUDA, kernels, onnxruntime, disk, git")
+
+
 def _try(fn: Callable[[], Any]) -> str:
     try:
         result = fn()
@@ -83,3 +87,6 @@ def _git_state() -> str:
     head = "detached HEAD" if repo.head.is_detached else f"branch {repo.active_branch.name}"
     dirty = "uncommitted changes" if repo.is_dirty(untracked_files=False) else "clean"
     return f"{repo.working_tree_dir}: {head}, {dirty}"
+
+
+COMMANDS = {"doctor": cmd_doctor}

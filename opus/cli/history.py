@@ -1,6 +1,6 @@
 """``opus compare``, ``opus log``, ``opus report`` and what happens after a run (report, commit).
 
-cli.py only registers these: ``add_parsers(sub)`` and ``COMMANDS``; heavy imports (git, matplotlib)
+opus.cli.main only registers these: ``add_parsers(sub)`` and ``COMMANDS``; heavy imports (git, matplotlib)
 happen inside the commands.
 """
 

@@ -15,6 +15,14 @@ from opus.pipeline.events import EventLog
 from opus.pipeline.progress import PROGRESS_FILE, RunEta, describe_running, format_duration
 
 
+def add_parsers(sub: Any) -> None:
+    status = sub.add_parser("status", help="where a run stands, with the running stage's progress")
+    status.add_argument("run_dir", type=Path, nargs="?", help="default: the latest run in --runs-dir")
+    status.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    runs = sub.add_parser("runs", help="list runs")
+    runs.add_argument("--runs-dir", type=Path, default=Path("runs"))
+
+
 def is_running(run_dir: Path) -> bool:
     """True while some process holds the run's lock."""
     path = run_dir / ".lock"
@@ -109,3 +117,6 @@ def cmd_runs(args: argparse.Namespace) -> int:
         shown = "  ".join(f"{k.split('_')[0]} ×{v:.2f}" for k, v in ratios.items())
         print(f"{run_dir.name:<40} {state['status']:<20} {shown}")
     return EXIT_OK
+
+
+COMMANDS = {"status": cmd_status, "runs": cmd_runs}
