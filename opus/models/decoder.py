@@ -2,8 +2,9 @@
 
 Module names follow Hugging Face (``model.layers.N.self_attn.q_proj``, ``model.layers.N.mlp.gate``,
 ``model.layers.N.mlp.experts.E.gate_proj`` ...), so a layer name a user knows from HF means the same
-here. Every linear layer is a plain ``nn.Linear`` — each expert's gate/up/down and the router
-included — because quantization swaps ``nn.Linear`` modules by name and fusion matches patterns.
+here; ``opus.models.layout.DECODER`` lists them for every other module (tests/models/test_layout.py
+checks the two agree). Every linear layer is a plain ``nn.Linear`` — each expert's gate/up/down and
+the router included — because quantization swaps ``nn.Linear`` modules by name and fusion matches patterns.
 
 Interface used by the engine::
 

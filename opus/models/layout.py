@@ -2,7 +2,9 @@
 
 Every supported family loads into the one module tree of ``opus.models.decoder``, so profiling,
 quantization, smoothing, fusion and the GPU decoder all read the names they need from here instead
-of spelling them out. Adding a family is one row of ``FAMILY_TABLE`` (plus its tests).
+of spelling them out. Adding a family is one row of ``FAMILY_TABLE`` plus its reference case in
+tests/models/opus_model_kit.py (tests/models/test_layout.py insists on both); only a family whose
+config.json spells MoE in a new way also needs a branch in ``config_from_hf``.
 
 - ``ROLES``: the one role vocabulary. ``module_roles(model)`` gives every named module its role;
   profiling sums time per role, quantization labels each format group with the role of its layers.
