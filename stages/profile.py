@@ -13,7 +13,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.kv.cache import cache_config_from_recipe, cache_factory
 from opus.pipeline.context import StageContext, StageResult
 from opus.runtime.engine import supports_cache
-from opus.runtime.profiling import PHASES, ROLES, ProfileWorkload, profile_metrics, profile_model, summary_line
+from opus.runtime.profiling import (
+    PHASES,
+    PROFILE_FILE,
+    ROLES,
+    ProfileWorkload,
+    profile_metrics,
+    profile_model,
+    summary_line,
+)
 
 VERSION = "1"
 ROLE = "measure"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
@@ -45,7 +53,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         factory = cache_factory(model, cache_config_from_recipe(loaded.state.get("recipe")))
     profile = profile_model(model, workload, factory, progress=ctx.progress, top=cfg.top,
                             max_modules=cfg.max_modules)
-    ctx.write_artifact("profile.json", profile)
+    ctx.write_artifact(PROFILE_FILE, profile)
     line = summary_line(profile)
     ctx.log(f"profile: {line}")
     return StageResult(metrics=profile_metrics(profile), model=None, info={"profile": line})

@@ -19,12 +19,15 @@ import yaml
 
 from opus.atomic import read_json, write_bytes, write_text
 from opus.errors import InputError
+from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.events import EventLog
 from opus.pipeline.run_files import ARTIFACTS_DIR, find_artifact
+from opus.quant.plan import PLAN_FILE
 from opus.report import plots
 from opus.report.publish import REPORT_ASSETS, ratio_line
 from opus.runtime.choose import DECISIONS_FILE
 from opus.runtime.noise import as_range, overlap, part_spreads, spread_key
+from opus.runtime.profiling import PROFILE_FILE
 
 Block = tuple  # ("h", text) | ("p", text) | ("table", headers, rows) | ("img", name, alt) | ("note", text)
 HEADLINE = (("throughput_tok_s", "P, tokens/s"), ("ttft_ms", "D, ms to first token"),
@@ -140,7 +143,7 @@ def _plan_layers(plan: Any) -> list[dict[str, Any]]:
 
 def _precision(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
     blocks: list[Block] = [("h", "Precision per layer")]
-    found = _load_artifact(run_dir, "plan.yaml")
+    found = _load_artifact(run_dir, PLAN_FILE)
     layers = _plan_layers(found[1]) if found else []
     if not layers:
         return blocks + [("note", "no precision plan in this run (no plan.yaml artifact)")]
@@ -161,7 +164,7 @@ def _precision(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
 
 def _profile(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
     blocks: list[Block] = [("h", "Profile hotspots")]
-    found = _load_artifact(run_dir, "profile.json")
+    found = _load_artifact(run_dir, PROFILE_FILE)
     groups_raw = (found[1] or {}).get("groups", {}) if found and isinstance(found[1], dict) else {}
     groups = {k: float(v.get("share", 0.0) if isinstance(v, dict) else v) for k, v in groups_raw.items()}
     if not groups:
@@ -189,7 +192,7 @@ def _profile(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
 
 def _fusion(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
     blocks: list[Block] = [("h", "Fusion")]
-    found = _load_artifact(run_dir, "fusion.json")
+    found = _load_artifact(run_dir, FUSION_FILE)
     data = found[1] if found and isinstance(found[1], dict) else {}
     raw = next((data[k] for k in ("counts", "fused") if isinstance(data.get(k), dict)), data)
     fusion_counts = {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float))}
