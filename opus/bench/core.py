@@ -91,7 +91,7 @@ class BenchContext:
 class Contender:
     name: str  # what --only selects
     label: str  # one line: what runs
-    family: str  # torch | onnxruntime | llama.cpp
+    family: str  # torch | transformers | onnxruntime | llama.cpp
     build: Callable[[BenchContext], Built]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from opus.bench import llamacpp, onnx_contenders, torch_contenders
+from opus.bench import hf_contender, llamacpp, onnx_contenders, torch_contenders
 from opus.bench.core import BenchContext, Contender, Row, Unavailable, judge, measure, units
 from opus.bench.gguf import cache_root
 from opus.bench.target import Target, pipeline_budget, resolve_target
@@ -48,13 +48,13 @@ class BenchRequest:
 
 
 def all_contenders(user_gguf: bool) -> list[Contender]:
-    return [*torch_contenders.CONTENDERS, *onnx_contenders.CONTENDERS, *llamacpp.contenders(user_gguf),
-            torch_contenders.OPUS_RUN]
+    return [*torch_contenders.CONTENDERS, *hf_contender.CONTENDERS, *onnx_contenders.CONTENDERS,
+            *llamacpp.contenders(user_gguf), torch_contenders.OPUS_RUN]
 
 
 def select(contenders: list[Contender], only: list[str] | None) -> list[Contender]:
     """The baseline always (every ratio needs it), plus what ``only`` names: a contender, its prefix
-    (``llama`` → llama-f16, llama-q8_0) or its family (torch, onnxruntime, llama.cpp)."""
+    (``llama`` → llama-f16, llama-q8_0) or its family (torch, transformers, onnxruntime, llama.cpp)."""
     if not only:
         return contenders
     def chosen(c: Contender, token: str) -> bool:

@@ -12,6 +12,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from torch import nn
 from opus.bench.core import BenchContext, Built, Contender, Unavailable
 from opus.kv.cache import cache_config_from_recipe, cache_factory, describe_cache
 from opus.runtime.engine import full_logits, generate
+
+if TYPE_CHECKING:
+    from opus.quant.calibrate import ActivationStats
 
 
 def _on_cpu(ctx: BenchContext, what: str) -> None:
@@ -71,7 +75,40 @@ def state_mb(model: nn.Module) -> float:
     return total / 2**20
 
 
-def _weight_only(fmt: str) -> Callable[[BenchContext], Built]:
+def _stage_options(ctx: BenchContext, uses: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The options ``keys`` the pipeline gives its first ``uses`` stage; a key it leaves out is left out
+    here too, so the mechanism's default applies, as it does in the stage (opus never imports stages)."""
+    stage = next((s for s in ctx.spec.stages if s.uses == uses), None) if ctx.spec is not None else None
+    return {k: v for k, v in (stage.with_ if stage else {}).items() if k in keys}
+
+
+def calibration(ctx: BenchContext, model: nn.Module) -> tuple[ActivationStats, str]:
+    """Activation statistics of the float model as the plan stage collects them for quantize: on
+    data.calibration (else data.evaluation) with the plan stage's percentile; once per bench."""
+    if "calibration" in ctx.shared:
+        return ctx.shared["calibration"]
+    from opus.quant.calibrate import collect_stats
+    from opus.runtime.data import load_blocks
+
+    data = ctx.spec.data if ctx.spec is not None else None
+    declared = [] if data is None else [(t, w) for t, w in ((data.calibration, "data.calibration"),
+                                                            (data.evaluation, "data.evaluation")) if t is not None]
+    if not declared:
+        raise Unavailable("SmoothQuant calibrates on text: the pipeline declares no data.calibration or "
+                          "data.evaluation")
+    text_set, where = declared[0]
+    blocks = load_blocks(text_set, ctx.tokenizer, ctx.base_dir)
+    options = _stage_options(ctx, "plan", ("percentile",))
+    stats = collect_stats(model, blocks, **options)
+    what = f"{blocks.shape[0]} blocks × {blocks.shape[1]} tokens of {where}, percentile {stats.percentile}"
+    ctx.shared["calibration"] = (stats, what)
+    return ctx.shared["calibration"]
+
+
+def _uniform(fmt: str) -> Callable[[BenchContext], Built]:
+    """Every decoder linear in one registered format, quantized as the quantize stage does: a format
+    that smooths (``Format.smoothquant``) gets SmoothQuant from calibration statistics first."""
+
     def build(ctx: BenchContext) -> Built:
         from opus.quant.apply import quantize_model
         from opus.quant.formats import check_format
@@ -85,9 +122,25 @@ def _weight_only(fmt: str) -> Callable[[BenchContext], Built]:
         assignment, skipped = uniform_assignment(model, fmt, ctx.group_size)
         if not assignment:
             raise Unavailable(f"no layer fits the {fmt} kernel: {next(iter(skipped.values()), 'no linear layers')}")
-        quantize_model(model, assignment, None, group_size=ctx.group_size)
+        notes: list[str] = []
+        stats = None
+        if found.smoothquant:  # statistics of the float model, before any layer is replaced
+            stats, what = calibration(ctx, model)
+            notes.append(f"calibrated on {what}")
+        step = quantize_model(model, assignment, stats, group_size=ctx.group_size,
+                              **_stage_options(ctx, "quantize", ("alpha",)))
         size = f", group size {ctx.group_size}" if found.uses_group_size else ""
-        notes = [f"opus.quant {fmt} on {len(assignment)} linears{size}; routers and a tied lm_head stay float32"]
+        notes.insert(0, f"opus.quant {fmt} on {len(assignment)} linears{size}; routers and a tied lm_head stay "
+                        "float32")
+        if step["smoothing_alpha"]:
+            alphas = sorted(set(step["smoothing_alpha"].values()))
+            notes.append(f"SmoothQuant on {len(step['smoothing_alpha'])} activations, alpha {alphas}")
+        elif found.acts_quantized:
+            notes.append("activations quantized as they come, no smoothing")
+        rows = getattr(found.module, "WEIGHT_ONLY_MAX_ROWS", None)  # a kernel that skips int8 activations
+        if found.acts_quantized and rows:
+            notes.append(f"inputs of at most {rows} rows (decode steps) run the int8 weights with float "
+                         "activations")
         if skipped:
             notes.append(f"{len(skipped)} layers kept float32: {next(iter(skipped.values()))}")
         return Built(model, cache_factory(model), notes)
@@ -186,8 +239,10 @@ CONTENDERS = (
     Contender("fp32", "fp32 eager (baseline)", "torch", fp32),
     Contender("bf16", "bf16 eager", "torch", bf16),
     Contender("torch-int8", "torch.ao dynamic int8", "torch", torch_int8_dynamic),
-    Contender("w8a16", "Opus W8A16 (int8 weights)", "torch", _weight_only("w8a16")),
-    Contender("w4a16", "Opus W4A16 (int4 weights)", "torch", _weight_only("w4a16")),
+    Contender("w8a16", "Opus W8A16 (int8 weights)", "torch", _uniform("w8a16")),
+    Contender("w4a16", "Opus W4A16 (int4 weights)", "torch", _uniform("w4a16")),
+    Contender("w8a8", "Opus W8A8 SmoothQuant (per-token int8 activations)", "torch", _uniform("w8a8")),
+    Contender("w8a8-tensor", "Opus W8A8 naive (per-tensor int8 activations)", "torch", _uniform("w8a8_tensor")),
     Contender("compile", "torch.compile fp32", "torch", compiled),
 )
 OPUS_RUN = Contender("opus", "Opus run's final model", "torch", opus_run)

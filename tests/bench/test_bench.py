@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from opus.atomic import write_json
-from opus.bench import llamacpp, torch_contenders
+from opus.bench import hf_contender, llamacpp, torch_contenders
 from opus.bench.core import Row, Unavailable, judge
 from opus.bench.run import all_contenders, select
 from opus.bench.target import pipeline_budget
@@ -19,8 +21,9 @@ from opus.kv.cache import kv_cache_step
 from opus.pipeline.spec import load_pipeline
 from tests.bench.project import make_project
 
-EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "compile", "onnx-fp32", "onnx-int8", "llama-f16",
-         "llama-q8_0", "opus"]
+EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "compile", "hf", "onnx-fp32",
+         "onnx-int8", "llama-f16", "llama-q8_0", "opus"]
+SPEED = ("throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity")
 
 
 @pytest.fixture(autouse=True)
@@ -61,11 +64,20 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
     assert set(base["ratios"]) >= {"throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity"}
     assert base["metrics"]["agreement"] == 1.0
     assert report["budget"] == {"value": 0.05, "source": "stage 'check' gate perplexity.max_increase"}
-    for name in ("bf16", "torch-int8", "w8a16", "w4a16", "onnx-fp32", "onnx-int8"):
+    for name in ("bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "hf", "onnx-fp32", "onnx-int8"):
         row = rows[name]
         assert row["status"] == "ok", (name, row["reason"])
         assert row["metrics"]["throughput_tok_s"] > 0 and row["metrics"]["perplexity"] > 0
+        assert all(math.isfinite(row["metrics"][key]) for key in SPEED), name
         assert 0 <= row["metrics"]["agreement"] <= 1 and row["verdict"] in ("within", "over")
+    # transformers' own model on the same weights: the same perplexity and tokens as Opus's fp32 decoder.
+    assert rows["hf"]["ratios"]["perplexity"] == pytest.approx(1.0, abs=1e-4)
+    assert rows["hf"]["metrics"]["agreement"] == 1.0 and "DynamicCache" in rows["hf"]["notes"][0]
+    # SmoothQuant calibrates as the plan stage does (no data.calibration here: the evaluation text);
+    # the naive per-tensor format is not smoothed.
+    assert any("calibrated on 2 blocks × 16 tokens of data.evaluation" in n for n in rows["w8a8"]["notes"])
+    assert any(n.startswith("SmoothQuant on") for n in rows["w8a8"]["notes"])
+    assert any("no smoothing" in n for n in rows["w8a8-tensor"]["notes"])
     # The exported fp32 graph computes what the fp32 model does.
     assert rows["onnx-fp32"]["ratios"]["perplexity"] == pytest.approx(1.0, abs=1e-4)
     assert rows["onnx-fp32"]["metrics"]["agreement"] == 1.0
@@ -108,6 +120,9 @@ def test_selection_and_budget(pipeline) -> None:
     names = [c.name for c in select(contenders, ["llama", "w4a16"])]
     assert names == ["fp32", "w4a16", "llama-f16", "llama-q8_0"]
     assert [c.name for c in select(contenders, ["onnxruntime"])] == ["fp32", "onnx-fp32", "onnx-int8"]
+    # What replaced bench/demo.py: `opus bench PIPELINE --only hf,fp32,bf16`.
+    assert [c.name for c in select(contenders, ["hf", "fp32", "bf16"])] == ["fp32", "bf16", "hf"]
+    assert [c.name for c in select(contenders, ["w8a8"])] == ["fp32", "w8a8", "w8a8-tensor"]  # a prefix, like llama
     assert [c.name for c in all_contenders(user_gguf=True) if c.family == "llama.cpp"] == ["llama-gguf"]
     with pytest.raises(InputError, match="unknown contender 'tensorrt'"):
         select(contenders, ["tensorrt"])
@@ -123,3 +138,17 @@ def test_verdict_against_the_budget() -> None:
     assert [r.verdict for r in rows] == ["within", "within", "over", "n/a"]
     assert rows[1].ratios["throughput_tok_s"] == pytest.approx(1.5)
     assert rows[2].ppl_increase == pytest.approx(0.02)
+
+
+def test_unavailable_contenders_say_why(pipeline) -> None:
+    """hf needs a Hugging Face directory; SmoothQuant W8A8 needs text to calibrate on."""
+    for source in ({"gguf": "model.gguf"}, {"factory": "pkg.mod:fn"}):
+        ctx = SimpleNamespace(source=source, base_dir=pipeline.parent, device="cpu")
+        kind = next(iter(source))
+        with pytest.raises(Unavailable, match=f"a {kind} source, not a Hugging Face directory"):
+            hf_contender.hf(ctx)
+    spec = load_pipeline(pipeline).spec
+    no_text = spec.model_copy(update={"data": spec.data.model_copy(update={"evaluation": None})})
+    ctx = SimpleNamespace(spec=no_text, shared={})
+    with pytest.raises(Unavailable, match="no data.calibration or data.evaluation"):
+        torch_contenders.calibration(ctx, torch.nn.Linear(8, 8))
