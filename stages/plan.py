@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -11,7 +12,7 @@ from opus.errors import InputError
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.quant.calibrate import CALIBRATION_FILE, collect_stats
-from opus.quant.formats import FORMATS, known
+from opus.quant.formats import FORMATS, check_format, known
 from opus.quant.plan import PLAN_FILE, PlanRequest, assignment_from_plan, make_plan
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.runtime.data import load_blocks
@@ -73,6 +74,20 @@ class Config(BaseModel):
         if unknown:
             raise ValueError(f"unknown format {', '.join(map(repr, unknown))} (known: {', '.join(allowed)})")
         return formats
+
+
+def preflight(cfg: Config, spec: Any) -> list[tuple[tuple[str, ...], str]]:
+    """Formats this device cannot run (or unknown ones in ``force``) fail before anything runs, not in
+    quantize after the planning is done. A ``plan_file``'s own formats are checked when it is read."""
+    wanted = [] if cfg.plan_file else [(("formats",), name) for name in cfg.formats]
+    wanted += [(("force", glob), name) for glob, name in cfg.force.items()]
+    problems = []
+    for key, name in wanted:
+        try:
+            check_format(name, spec.model.device)
+        except ValueError as exc:
+            problems.append((key, str(exc)))
+    return problems
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:

@@ -4,6 +4,8 @@
 spec and the stage configs validated, and takes seconds:
 
 - the device exists here (``cpu``, ``cuda``, ``cuda:N`` with N below the device count);
+- each stage type's own checks of its config against the pipeline (``preflight(cfg, spec)``, e.g. a
+  plan that asks for a format this device cannot run);
 - every gate names a metric its stage type reports: a stage type declares ``METRICS``, the keys it
   may report (``*`` matches a varying part, e.g. ``groups_*``); gate names go through the aliases
   of ``opus.pipeline.gates``. A stage type without ``METRICS`` is not checked;
@@ -38,6 +40,7 @@ _CUDA = re.compile(r"cuda(?::(\d+))?")
 def preflight(loaded: LoadedPipeline, types: dict[str, tuple[StageType, BaseModel]]) -> None:
     """Raise the first problem found as an InputError; cheap checks first."""
     check_device(loaded)
+    check_stage_configs(loaded, types)
     check_gates(loaded, types)
     tokenizer = check_model(loaded)
     check_text_sets(loaded, tokenizer)
@@ -91,6 +94,13 @@ def check_gates(loaded: LoadedPipeline, types: dict[str, tuple[StageType, BaseMo
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise loaded.error(f"stage type '{stage.uses}' does not report '{name}'; {hint}"
                                f"it reports: {', '.join(known)}", ("stages", index, "gate", name))
+
+
+def check_stage_configs(loaded: LoadedPipeline, types: dict[str, tuple[StageType, BaseModel]]) -> None:
+    for index, stage in enumerate(loaded.spec.stages):
+        stage_type, cfg = types[stage.id]
+        for key, message in stage_type.preflight(cfg, loaded.spec):
+            raise loaded.error(message, ("stages", index, "with", *key))
 
 
 def check_text_sets(loaded: LoadedPipeline, tokenizer: TokenizerLoader) -> None:

@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -65,6 +66,12 @@ class StageType:
     def remedy(self, cfg: BaseModel, failure: Failure) -> BaseModel | None:
         fn = getattr(self.module, "remedy", None)
         return fn(cfg, failure) if fn else None
+
+    def preflight(self, cfg: BaseModel, spec: Any) -> list[tuple[tuple[str, ...], str]]:
+        """The stage type's own checks of its config against the pipeline (``spec``) before anything runs:
+        ``(key path under the stage's with:, message)`` per problem. Optional: ``preflight(cfg, spec)``."""
+        fn = getattr(self.module, "preflight", None)
+        return list(fn(cfg, spec)) if fn else []
 
     @property
     def has_remedy(self) -> bool:

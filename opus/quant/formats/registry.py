@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus.errors import OpusError
+
 
 @dataclass(frozen=True)
 class ExportMapping:
@@ -139,14 +141,18 @@ def known(*, plannable: bool = False) -> list[str]:
     return [n for n in ladder() if not (plannable and FORMATS[n].is_noop)]
 
 
+class FormatUnavailable(OpusError, ValueError):
+    """A format that is unknown or cannot run on this device: it fails the same way on every attempt."""
+
+
 def check_format(name: str, device: str) -> Format:
     if name not in FORMATS:
-        raise ValueError(f"unknown format '{name}' (known: {', '.join(FORMATS)})")
+        raise FormatUnavailable(f"unknown format '{name}' (known: {', '.join(FORMATS)})")
     fmt = FORMATS[name]
     if fmt.cuda_only and not device.startswith("cuda"):
-        raise ValueError(f"format '{name}' needs a CUDA device with FP8 support; this model runs on {device}")
+        raise FormatUnavailable(f"format '{name}' needs a CUDA device with FP8 support; this model runs on {device}")
     if fmt.cuda_only and torch.cuda.get_device_capability() < (8, 9):
-        raise ValueError(f"format '{name}' needs compute capability 8.9+ (this GPU has "
+        raise FormatUnavailable(f"format '{name}' needs compute capability 8.9+ (this GPU has "
                          f"{torch.cuda.get_device_capability()})")
     return fmt
 
