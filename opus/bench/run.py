@@ -45,6 +45,8 @@ class BenchRequest:
     gguf: Path | None = None
     converter: Path | None = None
     group_size: int = 64
+    # Contenders a caller adds (a bench/ script: what opus itself cannot build), measured after the chosen ones.
+    extra: tuple[Contender, ...] = ()
 
 
 def all_contenders(user_gguf: bool) -> list[Contender]:
@@ -158,7 +160,7 @@ def _measure_one(contender: Contender, ctx: BenchContext, display: Any, offset: 
 def run_bench(request: BenchRequest, display: Any) -> tuple[dict[str, Any], list[Row]]:
     target = resolve_target(request.target, request.runs_dir)
     user_gguf = request.gguf is not None or target.loaded.spec.model.gguf is not None
-    chosen = select(all_contenders(user_gguf), request.only)
+    chosen = [*select(all_contenders(user_gguf), request.only), *request.extra]
     with tempfile.TemporaryDirectory(prefix="opus-bench-") as tmp:
         ctx, report = prepare(request, target, Path(tmp), display.line)
         per = units(ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -152,3 +153,21 @@ def test_unavailable_contenders_say_why(pipeline) -> None:
     ctx = SimpleNamespace(spec=no_text, shared={})
     with pytest.raises(Unavailable, match="no data.calibration or data.evaluation"):
         torch_contenders.calibration(ctx, torch.nn.Linear(8, 8))
+
+
+def test_planned_mix_script_adds_the_plan_to_the_bench(pipeline, tmp_path, capsys) -> None:
+    """bench/planned_mix.py: the planner's mix, made as the plan and quantize stages make it, as one more
+    contender of the same bench (the plan stage's defaults here: the tiny pipeline has no plan stage)."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "planned_mix.py"
+    module_spec = importlib.util.spec_from_file_location("planned_mix", path)
+    script = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(script)
+    out = tmp_path / "out"
+    assert script.main([str(pipeline), "--only", "w8a8", "--format", "json", "--out", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert list(rows) == ["fp32", "w8a8", "w8a8-tensor", "plan"]
+    plan = rows["plan"]
+    assert plan["status"] == "ok", plan["reason"]
+    assert all(math.isfinite(plan["metrics"][key]) for key in SPEED)
+    assert "no plan stage in the pipeline: its defaults" in plan["notes"][0]
+    assert (out / "plan.yaml").is_file() and (out / "bench.md").is_file()
