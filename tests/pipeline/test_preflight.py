@@ -104,7 +104,7 @@ def test_a_plan_format_this_device_cannot_run_fails_before_anything_runs(project
     edit(path, "  - id: check\n", "  - id: plan\n    uses: plan\n    needs: baseline\n    with:\n"
                                   "      force:\n        '*.mlp.*': fp8\n  - id: check\n")
     err = check(capsys, path)
-    assert f"{path}:20: stages[1].with.force.*.mlp.*: format 'fp8' needs a CUDA device" in err
+    assert f"{path}:15: stages[1].with.force.*.mlp.*: format 'fp8' needs a CUDA device" in err
     assert not (project / "runs").exists()
     err = check(capsys, path, "--set", "stages.plan.with.force={'*.mlp.*': w9a9}")
     assert "stages[1].with.force.*.mlp.*: unknown format 'w9a9'" in err
