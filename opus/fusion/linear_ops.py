@@ -130,24 +130,44 @@ def stack_linears(mods: list[nn.Module]) -> nn.Module | str:
 
 # -- grouped GEMM ---------------------------------------------------------------------------------
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
+_GROUPED_WHY: dict[tuple[str, torch.dtype], str] = {}
+
+
+def grouped_mm_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run for ``device``'s type and ``dtype``, or None when it can.
+
+    Probed once per (device type, dtype) on unaligned group sizes and checked against per-group
+    matmuls: builds and devices differ (CUDA wants bf16 on sm90+, older torch has no such op)."""
+    key = (device.type, dtype)
+    if key not in _GROUPED_OK:
+        why = _probe_grouped_mm(device, dtype)
+        _GROUPED_OK[key] = why is None
+        if why:
+            _GROUPED_WHY[key] = why
+    if _GROUPED_OK[key]:
+        return None
+    return _GROUPED_WHY.get(key, f"torch._grouped_mm switched off for {dtype} on {device.type}")
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probe ``torch._grouped_mm`` once per (device type, dtype): builds and devices differ."""
-    key = (device.type, dtype)
-    if key not in _GROUPED_OK:
-        ok = hasattr(torch, "_grouped_mm")
-        if ok:
-            try:
-                x = torch.ones(3, 16, device=device, dtype=dtype)
-                w = torch.ones(2, 16, 16, device=device, dtype=dtype)
-                offs = torch.tensor([1, 3], device=device, dtype=torch.int32)
-                y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-                ok = bool(torch.allclose(y.float(), torch.full_like(y, 16.0).float()))
-            except (RuntimeError, TypeError, NotImplementedError):
-                ok = False
-        _GROUPED_OK[key] = ok
-    return _GROUPED_OK[key]
+    return grouped_mm_reason(device, dtype) is None
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> str | None:
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 64, generator=gen).to(device, dtype)
+    w = torch.randn(3, 128, 64, generator=gen).to(device, dtype)  # [E, out, in]
+    offs = torch.tensor([5, 29, 40], dtype=torch.int32, device=device)  # unaligned group sizes
+    try:
+        y = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        return f"torch._grouped_mm unavailable for {dtype} on {device.type}: {str(e).splitlines()[0]}"
+    ref = torch.cat([x[:5] @ w[0].t(), x[5:29] @ w[1].t(), x[29:] @ w[2].t()])
+    if not torch.allclose(y.float(), ref.float(), atol=0.2, rtol=0.05):
+        return f"torch._grouped_mm gave wrong results for {dtype} on {device.type}"
+    return None
 
 
 @torch.fx.wrap
@@ -195,6 +215,11 @@ class StackedQuantLinear(nn.Module):
     @property
     def num_experts(self) -> int:
         return len(self.experts)
+
+    @property
+    def fmt(self) -> str:
+        """The experts' format name (``QuantLinear.fmt``), for reasons and summaries."""
+        return str(getattr(self.experts[0], "fmt", type(self.experts[0]).__name__))
 
 
 def _stack_quantized(mods: list[nn.Module]) -> StackedQuantLinear | str:

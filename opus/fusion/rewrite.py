@@ -8,6 +8,7 @@ structure, parameter names included, so the checkpoint's tensors load into it.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from torch import nn
 
 from opus.fusion import ops
 from opus.fusion.capture import Recording, record_regions, replay_error
+from opus.fusion.expert_modes import apply_modes
 from opus.fusion.measure import count_ops
 from opus.fusion.moe import GroupedMoE, group_moe, moe_reason
 from opus.fusion.patterns import FIND, PATTERNS, Site, rebuild
@@ -44,9 +46,13 @@ class FusionOutcome:
     skipped: list[Site]
     ignored: list[dict[str, str]]
 
-    def step(self, compile_cfg: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"kind": KIND, "version": STEP_VERSION, "sites": [s.record() for s in self.sites],
-                "ignored": self.ignored, "compile": compile_cfg}
+    def step(self, compile_cfg: dict[str, Any] | None = None,
+             experts: dict[str, str] | None = None) -> dict[str, Any]:
+        """The recipe step; ``experts`` (phase -> mode of the grouped MoE, ``opus.fusion.expert_modes``)
+        only when chosen: steps without it replay the default modes, as written before modes existed."""
+        step = {"kind": KIND, "version": STEP_VERSION, "sites": [s.record() for s in self.sites],
+                        "ignored": self.ignored, "compile": compile_cfg}
+        return {**step, "experts": dict(experts)} if experts else step
 
     def patterns(self) -> dict[str, dict[str, Any]]:
         """Per pattern: sites fused, skipped, and the reasons (each with a count and an example)."""
@@ -224,6 +230,8 @@ def apply_fusion(model: nn.Module, step: dict[str, Any]) -> nn.Module:
             model = replace_module(model, region, built)
     if by_region:
         raise ValueError(f"fuse step names regions this model does not have: {', '.join(sorted(by_region))}")
+    for note in apply_modes(model, step.get("experts")):  # e.g. grouped chosen on CUDA, loaded on a CPU
+        warnings.warn(f"fuse step: {note}", RuntimeWarning, stacklevel=2)
     if step.get("compile"):
         from opus.fusion.compiled import compile_model
 
