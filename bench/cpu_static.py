@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,6 +37,7 @@ from opus.quant.calibrate import collect_stats  # noqa: E402
 from opus.quant.smooth import apply_smoothing, smooth_groups  # noqa: E402
 from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.engine import generate  # noqa: E402
+from opus.runtime.metrics import throughput_figures  # noqa: E402
 
 
 def static_runner(model: torch.nn.Module, batch: int, capacity: int, quant: str | None,
@@ -56,10 +56,11 @@ def static_runner(model: torch.nn.Module, batch: int, capacity: int, quant: str 
 
 
 def measure(run: Any, prompts: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, float]:
-    results = [run(prompts, new_tokens) for _ in range(repeats + 1)][1:]  # first: warm-up
-    decode_s = statistics.median(r.decode_s for r in results)
-    return {"prefill_ms": statistics.median(r.ttft_s for r in results) * 1e3,
-            "decode_tok_s": prompts.shape[0] * (new_tokens - 1) / decode_s}
+    """Prefill ms and decode tokens/s of ``repeats`` runs after one warm-up, reduced as opus bench and the
+    stages reduce theirs (opus.runtime.metrics.throughput_figures: medians of the repeats)."""
+    run(prompts, new_tokens)  # warm-up: first-touch allocations, a compiled step's first shapes
+    figures = throughput_figures([run(prompts, new_tokens) for _ in range(repeats)], new_tokens)
+    return {"prefill_ms": figures["prefill_ms_batch"], "decode_tok_s": figures["decode_tok_s_batch"]}
 
 
 @torch.no_grad()
