@@ -63,6 +63,14 @@ class Compile(Strict):
     rounds: int = Field(DEFAULT_ROUNDS, ge=1)  # interleaved eager/compiled timing rounds
 
 
+class Experts(Strict):
+    """The grouped MoE's execution mode per phase (opus.fusion.moe), measured on the pipeline's device."""
+    choose: bool = True  # False: the default modes (sorted), nothing timed
+    modes: list[str] = Field(default_factory=lambda: ["sorted", "dense", "grouped"])
+    rounds: int = Field(DEFAULT_ROUNDS, ge=1)  # interleaved timing rounds per phase
+    decode_batch: int | None = Field(None, gt=0)  # rows of the timed decode step; None: the workload's batch
+
+
 class Config(Strict):
     patterns: list[str] = Field(default_factory=lambda: list(ALL_PATTERNS))
     ignore: list[str] = Field(default_factory=list)  # module-name globs, class names, pattern/op names
@@ -74,6 +82,7 @@ class Config(Strict):
     seed: int = 0
     measure_time: bool = True  # decode-step wall time and the dispatch share estimate
     compile: Compile = Field(default_factory=Compile)
+    experts: Experts = Field(default_factory=Experts)
     check: Check = Field(default_factory=Check)
 
 
@@ -151,6 +160,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     ctx.progress(1, 4, "fusing")
     outcome = fusion.fuse_model(model, fusion.FusionConfig(cfg.patterns, cfg.ignore, cfg.tolerance), probe)
     model = outcome.model
+    experts = _expert_modes(ctx, model, cfg, prompts if lm else None)
     ctx.progress(2, 4, "checking equivalence")
     eq = fusion.compare(model, reference)
     after = _counts(fusion, model, count_ids, lm, cfg.measure_time)
@@ -164,8 +174,11 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         else:
             ctx.progress(3, 4, "measuring torch.compile")
             compiled = fusion.decide_compile(model, count_ids, settings, rounds=cfg.compile.rounds)
-        write_decisions(ctx, [compiled.choice] if compiled.choice else [])
-    step = outcome.step(compiled.settings if compiled and compiled.kept else None)
+    decisions = ([compiled.choice] if compiled and compiled.choice else []) + (experts.decisions if experts else [])
+    if decisions or compiled is not None:
+        write_decisions(ctx, decisions)
+    step = outcome.step(compiled.settings if compiled and compiled.kept else None,
+                        experts.modes if experts else None)
     metrics: dict[str, Any] = {f"{k}_{when}": v for when, d in (("before", before), ("after", after))
                                for k, v in d.items() if k != "regions"}
     metrics.update(eq, sites_fused=len(outcome.sites), sites_skipped=len(outcome.skipped),
@@ -184,6 +197,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         "equivalence": {**eq, "prompts": source, "shape": list(reference_shape(reference)),
                         "check": cfg.check.model_dump(), "failures": failures},
         "compile": None if compiled is None else compiled.record(),
+        "experts": None if experts is None else experts.record(),
         "how": {"nodes": "fx call nodes summed over traced regions (getitem/getattr excluded)",
                 "ops": "aten ops seen by a TorchDispatchMode: one prefill of the first prompt + one decode step",
                 "dispatch_share": "ops per decode step x time of a 1-element add, over the decode step's "
@@ -194,6 +208,30 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         raise RuntimeError("fusion changed the model's outputs: " + "; ".join(failures)
                            + " (fusion.json lists every rewrite; ignore a pattern or module to exclude it)")
     return StageResult(metrics=metrics, model=model, recipe=[step], info={"prompts": source})
+
+
+def _expert_modes(ctx: StageContext, model: Any, cfg: Config, prompts: Any) -> Any:
+    """The grouped MoE's modes: measured here, replayed from ``run.decisions_from``, or the default.
+    Modes this device cannot run are listed with the reason in fusion.json, never dropped silently."""
+    from opus.fusion.expert_modes import decide_expert_modes, replay_expert_modes
+    from opus.fusion.moe import grouped_moes
+
+    if prompts is None or not cfg.experts.choose or not grouped_moes(model):
+        return None
+    replay = source_artifact(ctx, FUSION_FILE)
+    if replay is not None:
+        record = json.loads(replay.read_text()).get("experts")
+        choice = replay_expert_modes(model, record, str(replay))
+    else:
+        ctx.progress(1.5, 4, "measuring the MoE experts modes")
+        batch = cfg.experts.decode_batch or ctx.spec.workload.batch_size
+        choice = decide_expert_modes(model, prompts, batch, tolerance=cfg.tolerance,
+                                     rounds=cfg.experts.rounds, wanted=cfg.experts.modes)
+    if choice is not None:
+        for mode, why in choice.unavailable.items():
+            ctx.log(f"MoE experts mode {mode} not measured: {why}")
+        ctx.log(f"MoE experts modes: {choice.modes}")
+    return choice
 
 
 def reference_shape(reference: Any) -> tuple[int, ...]:

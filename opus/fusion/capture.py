@@ -113,6 +113,14 @@ def call_probe(*inputs: Any):  # noqa: ANN201
     return run
 
 
+def tolerance_for(model: nn.Module, given: float | None) -> float:
+    """The relative max diff a rewrite may change an output by: ``given``, else by the model's dtype."""
+    if given is not None:
+        return given
+    param = next(model.parameters(), None)
+    return 1e-4 if param is None or param.dtype == torch.float32 else 2e-2
+
+
 def replay_error(module: nn.Module, calls: list[Call], tolerance: float) -> str | None:
     """None when ``module`` reproduces every recorded call within ``tolerance`` (relative max diff)."""
     with torch.inference_mode():

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus.fusion.capture import tolerance_for
 from opus.fusion.measure import decode_step_s
 from opus.fusion.moe import DEFAULT_MODES, EXPERT_MODES, PHASES, grouped_moes, set_modes
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported, wall_clock
@@ -83,7 +84,8 @@ def _differs(model: nn.Module, ids: torch.Tensor, modes: list[str], tolerance: f
     return out
 
 
-def decide_expert_modes(model: nn.Module, prompts: torch.Tensor, decode_batch: int, *, tolerance: float,
+def decide_expert_modes(model: nn.Module, prompts: torch.Tensor, decode_batch: int, *,
+                        tolerance: float | None = None,
                         rounds: int = DEFAULT_ROUNDS, wanted: list[str] | None = None,
                         steps: int = 4) -> ExpertChoice | None:
     """Measure the runnable modes at prefill (``prompts``) and decode (``decode_batch`` rows); None
@@ -93,7 +95,7 @@ def decide_expert_modes(model: nn.Module, prompts: torch.Tensor, decode_batch: i
     runnable, unavailable = availability(model, wanted)
     if not runnable:
         raise ValueError("no experts mode can run here: " + "; ".join(f"{m}: {w}" for m, w in unavailable.items()))
-    for mode, why in _differs(model, prompts, runnable, tolerance).items():
+    for mode, why in _differs(model, prompts, runnable, tolerance_for(model, tolerance)).items():
         runnable.remove(mode)
         unavailable[mode] = why
     rows = prompts.repeat((decode_batch + prompts.shape[0] - 1) // prompts.shape[0], 1)[:decode_batch]

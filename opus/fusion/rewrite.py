@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from opus.fusion import ops
-from opus.fusion.capture import Recording, record_regions, replay_error
+from opus.fusion.capture import Recording, record_regions, replay_error, tolerance_for
 from opus.fusion.expert_modes import apply_modes
 from opus.fusion.measure import count_ops
 from opus.fusion.moe import GroupedMoE, group_moe, moe_reason
@@ -73,13 +73,6 @@ def _is_moe(module: nn.Module) -> bool:
     return isinstance(module, GroupedMoE) or moe_reason(module) is None
 
 
-def _tolerance(model: nn.Module, given: float | None) -> float:
-    if given is not None:
-        return given
-    param = next(model.parameters(), None)
-    return 1e-4 if param is None or param.dtype == torch.float32 else 2e-2
-
-
 _NORM_GAIN: dict[tuple[Any, ...], tuple[int, int]] = {}
 
 
@@ -101,7 +94,7 @@ class _Pass:
     def __init__(self, model: nn.Module, cfg: FusionConfig, rec: Recording) -> None:
         self.model, self.cfg, self.rec = model, cfg, rec
         self.ignore = Ignore(list(cfg.ignore))
-        self.tol = _tolerance(model, cfg.tolerance)
+        self.tol = tolerance_for(model, cfg.tolerance)
         self.sites: list[Site] = []
         self.skipped: list[Site] = []
         self.ignored: list[dict[str, str]] = []

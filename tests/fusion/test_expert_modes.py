@@ -1,0 +1,100 @@
+"""The grouped MoE's execution modes compute what SparseMoE computes; the choice is measured, recorded
+and replayed; modes that cannot run say why."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from fusion_kit import prompts, tiny_lm
+
+from opus.fusion import FusionConfig, apply_fusion, fuse_model, linear_ops, lm_probe
+from opus.fusion.expert_modes import availability, decide_expert_modes, replay_expert_modes
+from opus.fusion.moe import EXPERT_MODES, GroupedMoE, group_moe, grouped_moes
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("shape", [(2, 7), (3, 1)])  # prefill and decode sized
+def test_every_mode_equals_the_looped_experts(family: str, shape: tuple[int, int]) -> None:
+    moe = tiny_lm(family).model.layers[1].mlp
+    x = torch.randn(*shape, 32, generator=torch.Generator().manual_seed(3))
+    grouped = group_moe(moe)
+    assert isinstance(grouped, GroupedMoE)
+    with torch.no_grad():
+        expected = moe(x)
+        for mode in EXPERT_MODES:  # grouped runs on this CPU build (torch._grouped_mm)
+            assert grouped.mode_reason(mode) is None, mode
+            torch.testing.assert_close(grouped(x, mode), expected, rtol=1e-5, atol=1e-5, msg=mode)
+
+
+def test_biased_experts_in_every_mode() -> None:
+    moe = tiny_lm("mixtral").model.layers[0].mlp
+    for expert in moe.experts:
+        for linear in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            linear.bias = torch.nn.Parameter(0.1 * torch.randn(linear.out_features))
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(4))
+    grouped = group_moe(moe)
+    with torch.no_grad():
+        for mode in EXPERT_MODES:
+            torch.testing.assert_close(grouped(x, mode), moe(x), rtol=1e-5, atol=1e-5, msg=mode)
+
+
+def test_unavailable_mode_says_why_and_refuses(monkeypatch) -> None:
+    model = fuse_model(tiny_lm("mixtral"), FusionConfig(patterns=["moe_grouped"]), lm_probe(prompts()[:1, :8])).model
+    monkeypatch.setitem(linear_ops._GROUPED_OK, ("cpu", torch.float32), False)
+    monkeypatch.setitem(linear_ops._GROUPED_WHY, ("cpu", torch.float32), "no grouped GEMM in this build")
+    runnable, unavailable = availability(model)
+    assert runnable == ["sorted", "dense"]
+    assert unavailable["grouped"] == "model.layers.0.mlp: no grouped GEMM in this build"
+    moe = grouped_moes(model)[0][1]
+    with pytest.raises(ValueError, match="no grouped GEMM"):
+        moe(torch.randn(2, 3, 32), "grouped")
+
+
+def test_choice_is_measured_per_phase_and_replays() -> None:
+    model = tiny_lm("mixtral")
+    ids = prompts()
+    outcome = fuse_model(model, FusionConfig(patterns=["moe_grouped"]), lm_probe(ids[:1, :8]))
+    choice = decide_expert_modes(outcome.model, ids, 4, rounds=2, steps=2)
+    assert choice is not None and choice.runnable == list(EXPERT_MODES) and choice.unavailable == {}
+    assert [d.what for d in choice.decisions] == ["MoE experts mode at prefill", "MoE experts mode at decode"]
+    for decision in choice.decisions:
+        assert {name: len(rounds) for name, rounds in decision.samples.items()} == dict.fromkeys(EXPERT_MODES, 2)
+    assert choice.modes == {"prefill": choice.decisions[0].winner, "decode": choice.decisions[1].winner}
+    assert all(m.modes == choice.modes for _, m in grouped_moes(outcome.model))
+    step = outcome.step(None, choice.modes)
+    assert step["experts"] == choice.modes
+    rebuilt = apply_fusion(tiny_lm("mixtral", seed=5), step)
+    rebuilt.load_state_dict(outcome.model.state_dict())
+    assert all(m.modes == choice.modes for _, m in grouped_moes(rebuilt))
+    with torch.inference_mode():
+        torch.testing.assert_close(rebuilt(ids), outcome.model(ids))
+    again = replay_expert_modes(rebuilt, {"modes": {"prefill": "dense", "decode": "grouped"}}, "earlier")
+    assert again.modes == {"prefill": "dense", "decode": "grouped"} and again.decisions[0].replayed_from == "earlier"
+
+
+def test_old_steps_run_the_default_and_unrunnable_modes_warn(monkeypatch) -> None:
+    outcome = fuse_model(tiny_lm("mixtral"), FusionConfig(patterns=["moe_grouped"]), lm_probe(prompts()[:1, :8]))
+    assert "experts" not in outcome.step()  # nothing chosen: the step is the one written before modes
+    rebuilt = apply_fusion(tiny_lm("mixtral"), outcome.step())
+    assert all(m.modes == {"prefill": "sorted", "decode": "sorted"} for _, m in grouped_moes(rebuilt))
+    monkeypatch.setitem(linear_ops._GROUPED_OK, ("cpu", torch.float32), False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rebuilt = apply_fusion(tiny_lm("mixtral"), outcome.step(None, {"prefill": "grouped", "decode": "dense"}))
+    assert any("prefill experts mode 'grouped' cannot run here" in str(w.message) for w in caught)
+    assert all(m.modes == {"prefill": "sorted", "decode": "dense"} for _, m in grouped_moes(rebuilt))
+    with pytest.raises(ValueError, match="unknown experts mode"):
+        apply_fusion(tiny_lm("mixtral"), outcome.step(None, {"decode": "sparse"}))
+
+
+def test_compiled_and_exported_paths_run_dense() -> None:
+    """Under torch.compile every mode runs the static-shape dense path (what the static KV cache compiles)."""
+    moe = group_moe(tiny_lm("mixtral").model.layers[0].mlp)
+    x = torch.randn(2, 1, 32, generator=torch.Generator().manual_seed(6))
+    compiled = torch.compile(lambda t: moe(t, "sorted"), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), moe(x, "dense"), rtol=1e-5, atol=1e-5)
