@@ -7,8 +7,8 @@ into one C++ wrapper (``cpp_wrapper``), against Opus's eager engine on the same 
 
 Variants: ``engine fp32`` (the baseline: eager, growing KV cache); ``static W8A8 eager`` and
 ``static W8A8 compiled`` (SmoothQuant folded into a copy of the model first, exact in float, then
-int8 weights per channel, per-token int8 activations; opus.fusion.stacked_experts stacks the experts, so the down
-projection shares one scale per output channel across experts); ``static fp32 compiled``. For each, at batch 1
+int8 weights per channel, per-token int8 activations, each expert its own int8 module in the fuse
+stage's grouped MoE, opus.fusion.moe); ``static fp32 compiled``. For each, at batch 1
 and at ``--batch``: prefill ms and decode tokens/s (median of ``--repeats``), and greedy agreement
 with the baseline (teacher-forced: fed the baseline's tokens, does it choose the same next one?).
 Compile time is reported apart and excluded from every figure.
@@ -43,6 +43,7 @@ from opus.runtime.metrics import throughput_figures  # noqa: E402
 def static_runner(model: torch.nn.Module, batch: int, capacity: int, quant: str | None,
                   compiled: bool) -> tuple[StaticRunner, float]:
     """A runner (and seconds spent compiling: its first prefill and two decode steps)."""
+    # Compiled steps run the experts dense whatever the mode (static shapes); eager decode the grouped mode.
     runner = StaticRunner(model, batch, capacity, quant=quant, decode_experts="dense" if compiled else "grouped")
     if not compiled:
         return runner, 0.0

@@ -1,9 +1,11 @@
 """``FastDecoder``: an Opus ``DecoderLM`` rearranged for static shapes, built without modifying it.
 
-Per layer: q/k/v fused into one linear, the MoE as ``StackedExperts``, a dense MLP's gate/up fused;
-norms, RoPE, embedding and lm_head are the model's own modules (shared, not copied). Projections and
-experts can be quantized with opus.quant formats (``quant="fp8" | "w8a8" | "w4a16"``); where a layer
-cannot take the format it stays in the model dtype and ``notes`` says why.
+Per layer: q/k/v fused into one linear, the MoE as the fuse stage's ``GroupedMoE`` (opus.fusion.moe,
+its execution mode picked per call: ``experts=``), a dense MLP's gate/up fused; norms, RoPE,
+embedding and lm_head are the model's own modules (shared, not copied). Projections and experts can
+be quantized with opus.quant formats (``quant="fp8" | "w8a8" | "w4a16"``; experts one module per
+expert, as the quantize stage leaves them); where a layer cannot take the format it stays in the
+model dtype and ``notes`` says why.
 
 ``forward(ids, positions, cache, prefill=..., experts=...)`` returns last-position logits ``[B, V]``
 and writes K/V for ``positions`` into a ``SlotKVBuffers``. ``prefill=True`` means the tokens start at
@@ -18,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.fusion.stacked_experts import StackedExperts, grouped_mm_reason
-from opus.gpu.qlinear import format_of, fuse_linears, module_bytes, quantize_linear
+from opus.fusion.linear_ops import StackedQuantLinear
+from opus.fusion.moe import GroupedMoE, group_moe, grouped_moe
+from opus.gpu.qlinear import format_of, fuse_linears, group_size_for, module_bytes, quant_reason, quantize_linear
 from opus.kv.cuda_graph import SlotKVBuffers
 from opus.models.decoder import DecoderLM, SparseMoE, apply_rope
 from opus.models.layout import DECODER
+from opus.quant.formats import FORMATS
 
 
 class FusedMLP(nn.Module):
@@ -51,11 +55,34 @@ class FastLayer(nn.Module):
         self.o_proj, why_o = quantize_linear(attn.o_proj, quant)
         notes.extend(f"layer {i} attention: kept in float: {w}" for w in dict.fromkeys((why, why_o)) if w)
         if isinstance(layer.mlp, SparseMoE):
-            self.mlp: nn.Module = StackedExperts(layer.mlp, quant if quant_experts else None)
-            notes.extend(f"layer {i}: {n}" for n in self.mlp.notes)
+            self.mlp: nn.Module = _grouped(layer.mlp, quant if quant_experts else None, f"layer {i}", notes)
         else:
             _require_float(f"layer {i} mlp", {n: getattr(layer.mlp, n, None) for n in DECODER.swiglu})
             self.mlp = FusedMLP(layer.mlp, quant, notes, f"layer {i} mlp")
+
+
+def _grouped(moe: SparseMoE, quant: str | None, where: str, notes: list[str]) -> GroupedMoE:
+    """The fuse stage's grouped MoE of ``moe`` (built from it, never modifying it), its experts quantized
+    per expert with ``quant`` where the format takes them."""
+    for e, expert in enumerate(moe.experts):
+        _require_float(f"{where} expert {e}", {n: getattr(expert, n, None) for n in DECODER.swiglu})
+    if quant is not None:
+        parts = [(fuse_linears([x.gate_proj, x.up_proj]), x.down_proj) for x in moe.experts]
+        why = quant_reason(quant, parts[0][0]) or quant_reason(quant, parts[0][1])
+        if why is None:
+            fmt = FORMATS[quant]
+            with torch.no_grad():
+                gate_up, down = (StackedQuantLinear([fmt.build(m, group_size_for(m.in_features)).requires_grad_(False)
+                                                     for m in mods]) for mods in zip(*parts))
+            built = grouped_moe(moe, gate_up, down)
+            if isinstance(built, GroupedMoE):
+                return built
+            why = built
+        notes.append(f"{where}: experts kept in {str(moe.gate.weight.dtype).removeprefix('torch.')}: {why}")
+    built = group_moe(moe)
+    if isinstance(built, str):
+        raise TypeError(f"{where}: the MoE cannot be grouped: {built}")
+    return built
 
 
 def _require_float(where: str, linears: dict[str, object]) -> None:
@@ -81,19 +108,21 @@ class FastDecoder(nn.Module):
                                     for i, layer in enumerate(model.model.layers))
         weight = model.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.grouped_reason = grouped_mm_reason(self.device, self.dtype)
-        if self.grouped_reason and any(isinstance(la.mlp, StackedExperts) for la in self.layers):
-            self.notes.append(f"prefill experts loop over experts (not captured): {self.grouped_reason}")
+        moes = [la.mlp for la in self.layers if isinstance(la.mlp, GroupedMoE)]
+        # Why the capturable grouped mode cannot run the experts here (device, dtype or quantized experts).
+        self.grouped_reason = next((r for m in moes if (r := m.mode_reason("grouped"))), None)
+        if self.grouped_reason and moes:
+            self.notes.append(f"prefill experts run sorted (not captured): {self.grouped_reason}")
 
     @property
     def has_moe(self) -> bool:
-        return any(isinstance(layer.mlp, StackedExperts) for layer in self.layers)
+        return any(isinstance(layer.mlp, GroupedMoE) for layer in self.layers)
 
     def new_cache(self, batch_size: int, max_seq_len: int) -> SlotKVBuffers:
         return SlotKVBuffers.for_config(self.config, batch_size, max_seq_len, self.device, self.dtype)
 
     def prefill_mode(self) -> str:
-        return "loop" if self.grouped_reason else "grouped"
+        return "sorted" if self.grouped_reason else "grouped"
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: SlotKVBuffers, prefill: bool,
                 experts: str = "dense") -> torch.Tensor:
@@ -137,16 +166,14 @@ class FastDecoder(nn.Module):
         """Formats in use and the bytes of the tensors this decoder adds to the model's."""
         first = self.layers[0]
         formats = {"attention": format_of(first.qkv)}
-        if isinstance(first.mlp, StackedExperts):
-            formats["experts"] = (format_of(first.mlp.gate_up) if first.mlp.quantized
-                                  else str(self.dtype).removeprefix("torch."))
+        if isinstance(first.mlp, GroupedMoE):
+            gate_up = first.mlp.experts.gate_up
+            formats["experts"] = (gate_up.fmt if isinstance(gate_up, StackedQuantLinear)
+                                  else str(gate_up.weight.dtype).removeprefix("torch."))
         own = sum(module_bytes(layer.qkv) + module_bytes(layer.o_proj) + _mlp_bytes(layer.mlp) for layer in self.layers)
         return {"formats": formats, "own_bytes": own, "notes": list(self.notes)}
 
 
 def _mlp_bytes(mlp: nn.Module) -> int:
-    if isinstance(mlp, StackedExperts):
-        stacked = sum(t.numel() * t.element_size() for t in (mlp.w13, mlp.w2) if t is not None)
-        quant = sum(module_bytes(m) for m in (mlp.gate_up, mlp.down) if m is not None)
-        return stacked + quant
-    return module_bytes(mlp)
+    """The experts are this decoder's own tensors; router and shared expert are the model's."""
+    return module_bytes(mlp.experts) if isinstance(mlp, GroupedMoE) else module_bytes(mlp)

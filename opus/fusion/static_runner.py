@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from opus.fusion.fast_decoder import FastDecoder
-from opus.fusion.stacked_experts import EXPERT_MODES
+from opus.fusion.moe import EXPERT_MODES
 from opus.models.decoder import DecoderLM
 from opus.runtime.engine import GenerationResult
 
@@ -34,8 +34,11 @@ class StaticRunner:
         self.fast = model if isinstance(model, FastDecoder) else FastDecoder(model, quant, quant_experts)
         if decode_experts not in EXPERT_MODES:
             raise ValueError(f"decode_experts must be one of {', '.join(EXPERT_MODES)}, got {decode_experts!r}")
-        if decode_experts == "grouped" and self.fast.grouped_reason:
-            decode_experts = "dense"  # the loop would break capture; dense gives the same result
+        self.notes: list[str] = []
+        if decode_experts == "grouped" and self.fast.grouped_reason and self.fast.has_moe:
+            # sorted would break capture; dense computes the same and captures
+            self.notes.append(f"decode experts run dense, not grouped: {self.fast.grouped_reason}")
+            decode_experts = "dense"
         self.decode_experts = decode_experts
         device = self.fast.device
         on_cuda = device.type == "cuda"
@@ -45,7 +48,6 @@ class StaticRunner:
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         # Slots rounded up to a multiple of 16: attention kernels want an aligned mask row.
         self.cache = self.fast.new_cache(batch_size, -(-max_seq_len // 16) * 16)
-        self.notes: list[str] = []
         vocab = self.fast.lm_head.weight.shape[0]
         self.tok = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
