@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opus.atomic import read_json, write_json, write_yaml
-from opus.errors import InputError, RunFailed
+from opus.atomic import write_json, write_yaml
+from opus.errors import RunFailed
 from opus.pipeline.checkpoint import (
     DiskSpaceError,
     check_free_disk,
@@ -43,15 +43,13 @@ from opus.pipeline.gates import check_gate, verified
 from opus.pipeline.graph import ancestors, execution_order, validate
 from opus.pipeline.keys import changed_parts, key_parts, run_context_fingerprint, stage_key
 from opus.pipeline.lock import RunLock
-from opus.pipeline.spec import LoadedPipeline, load_pipeline
+from opus.pipeline.run_files import PIPELINE_FILE, RUN_FILE, SUMMARY_FILE, read_run_info, source_bytes
+from opus.pipeline.spec import LoadedPipeline
 from opus.pipeline.state import read_state
 from opus.pipeline.summary import build_summary
 from opus.pipeline.supervise import WorkerOutcome, run_worker
 from opus.pipeline.verdict import KEPT, TRANSIENT_FAILURES, run_status
 
-RUN_FILE = "run.json"
-PIPELINE_FILE = "pipeline.yaml"
-SUMMARY_FILE = "summary.json"
 DISK_FULL = "the disk is full; committed checkpoints are intact: free disk space, then `opus resume`"
 
 
@@ -377,41 +375,6 @@ class Runner:
                          inherit_tensors_from=restored, reserve_mb=self.spec.run.min_free_disk_mb)
         commit(out_dir, final)
         self._record(stage_id, key, "rolled_back", final, result, None, attempt, None, failure.reason)
-
-
-def source_bytes(source: dict[str, Any], base_dir: Path) -> int:
-    """Size of a model source on disk (0 for a factory): what a full checkpoint of it may take."""
-    path = source.get("hf") or source.get("gguf")
-    if not path:
-        return 0
-    root = base_dir / path
-    files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
-    return sum(p.stat().st_size for p in files)
-
-
-def read_run_info(path: Path) -> dict[str, Any]:
-    """run.json, or a one-line InputError naming it when it is damaged (a torn write, an edit)."""
-    try:
-        info = read_json(path)
-    except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8
-        raise InputError(f"damaged run file, cannot resume: {exc}", file=str(path)) from None
-    if not isinstance(info, dict):
-        raise InputError(f"damaged run file, cannot resume: a JSON object expected, got {type(info).__name__}",
-                         file=str(path))
-    base_dir = info.get("base_dir")
-    if not isinstance(base_dir, str) or not base_dir or not isinstance(info.get("starts"), list):
-        missing = "base_dir" if not isinstance(base_dir, str) or not base_dir else "starts"
-        raise InputError(f"damaged run file, cannot resume: no valid '{missing}'", file=str(path))
-    return info
-
-
-def load_run(run_dir: Path) -> LoadedPipeline:
-    """The pipeline a run directory was run with, as it was run (for resume and verify)."""
-    run_file = run_dir / RUN_FILE
-    if not run_file.is_file():
-        raise InputError("not a run directory (no run.json)", file=str(run_dir))
-    info = read_run_info(run_file)
-    return load_pipeline(run_dir / PIPELINE_FILE, base_dir=Path(info["base_dir"]))
 
 
 def _config_change(old: Any, new: Any) -> dict[str, Any]:

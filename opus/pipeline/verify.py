@@ -17,7 +17,8 @@ from opus.errors import EXIT_OK, EXIT_RUN_FAILED
 def verify_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """(what a resume would do per stage, where summary.json disagrees with the checkpoints)."""
     from opus.pipeline.console import RunDisplay
-    from opus.pipeline.runner import SUMMARY_FILE, Runner, load_run
+    from opus.pipeline.run_files import SUMMARY_FILE, load_run
+    from opus.pipeline.runner import Runner
 
     runner = Runner(load_run(run_dir), run_dir, RunDisplay(quiet=True))
     plan = runner.resume_plan()

@@ -19,9 +19,9 @@ import yaml
 
 from opus.errors import EXIT_INVALID, OpusError
 from opus.pipeline.console import headline
+from opus.pipeline.run_files import SUMMARY_FILE
 from opus.report.publish import ratio_line, tracked_files
 
-SUMMARY_FILE = "summary.json"
 ZERO_SHA = "0" * 40
 FALLBACK_IDENTITY = {"GIT_AUTHOR_NAME": "Opus", "GIT_AUTHOR_EMAIL": "opus@localhost",
                      "GIT_COMMITTER_NAME": "Opus", "GIT_COMMITTER_EMAIL": "opus@localhost"}

@@ -1,0 +1,126 @@
+"""``opus run``, ``resume``, ``verify``, ``check`` and ``stages``: running a pipeline and checking one."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from opus.errors import EXIT_DEGRADED, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED
+
+STATUS_EXIT = {"finished": EXIT_OK, "degraded": EXIT_DEGRADED, "failed": EXIT_RUN_FAILED,
+               "interrupted": EXIT_INTERRUPTED}
+
+
+def add_parsers(sub: Any) -> None:
+    run = sub.add_parser("run", help="run a pipeline (resumes when --run-dir holds an earlier run)")
+    run.add_argument("pipeline", type=Path)
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override any value for this run, e.g. stages.quantize.with.alpha=0.6")
+    run.add_argument("--run-dir", type=Path, help="run directory (default: RUNS_DIR/<name>-<time>)")
+    run.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    run.add_argument("--decisions-from", type=Path, metavar="RUN_DIR",
+                     help="replay the timing decisions of an earlier run (its plan, KV cache and compile "
+                          "choice) for exact reproduction; the same as --set run.decisions_from=RUN_DIR")
+    run.add_argument("--quiet", action="store_true")
+    resume = sub.add_parser("resume", help="continue a stopped or crashed run from its last checkpoint")
+    resume.add_argument("run_dir", type=Path)
+    resume.add_argument("--quiet", action="store_true")
+    for command in (run, resume):
+        command.add_argument("--commit", action="store_true",
+                             help="commit the run's small files to git when it ends (as run.track: git)")
+    verify = sub.add_parser("verify", help="check every checkpoint and the lineage; say what a resume would redo")
+    verify.add_argument("run_dir", type=Path)
+    sub.add_parser("stages", help="list the installed stage types")
+    check = sub.add_parser("check", help="validate a pipeline without running it")
+    check.add_argument("pipeline", type=Path)
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+
+def _execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> int:
+    from opus.cli.history import finish_run
+    from opus.pipeline.console import RunDisplay
+    from opus.pipeline.runner import Runner
+
+    runner = Runner(loaded, run_dir, RunDisplay(quiet=quiet))  # validates before anything runs
+    _preflight(loaded, runner.types)  # nothing is written before this passes
+    with runner.display:
+        runner.display.line(f"run {run_dir}  ({loaded.spec.name}, {len(loaded.spec.stages)} stages)")
+        summary = runner.run()
+    _print_outcome(summary, run_dir)
+    finish_run(run_dir, summary, commit=commit or loaded.spec.run.track == "git")  # only ever warns
+    return STATUS_EXIT.get(summary["status"], EXIT_RUN_FAILED)
+
+
+def _preflight(loaded: Any, types: Any) -> None:
+    from opus.pipeline.preflight import preflight
+
+    preflight(loaded, types)
+
+
+def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
+    from opus.pipeline.console import headline
+
+    print(f"{summary['status']}: {run_dir / 'summary.json'}")
+    for reason in summary.get("reasons") or []:
+        print(f"  why       {reason}")
+    if summary.get("error") and summary["error"] not in " ".join(summary.get("reasons") or []):
+        print(f"  {summary['error']}")
+    for warning in summary.get("warnings") or []:
+        print(f"  warning   {warning}")
+    if headline(summary["baseline"]):  # a failed baseline measured nothing: no empty line
+        print(f"  baseline  {headline(summary['baseline'])}")
+    if summary["final_stage"]:
+        ratios = "  ".join(f"{k} ×{v:.3f}" for k, v in summary["ratios"].items())
+        print(f"  final     {headline(summary['final'])}   ({summary['final_stage']}; {ratios})")
+    for rb in summary["rollbacks"]:
+        print(f"  rollback  {rb['stage']} attempt {rb['attempt']}: {rb['reason']} → {rb['action']}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import json
+
+    from opus.pipeline.spec import load_pipeline
+
+    overrides = list(args.overrides)
+    if args.decisions_from:  # absolute (a relative --set path is the pipeline file's), quoted as a YAML string
+        overrides.append(f"run.decisions_from={json.dumps(str(args.decisions_from.resolve()))}")
+    loaded = load_pipeline(args.pipeline, overrides)
+    run_dir = args.run_dir or args.runs_dir / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return _execute(loaded, run_dir, args.quiet, args.commit)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from opus.pipeline.run_files import load_run
+
+    return _execute(load_run(args.run_dir), args.run_dir, args.quiet, args.commit)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from opus.pipeline.verify import print_verification
+
+    return print_verification(args.run_dir)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from opus.pipeline.graph import execution_order, validate
+    from opus.pipeline.spec import load_pipeline
+
+    loaded = load_pipeline(args.pipeline, args.overrides)
+    graph, types = validate(loaded)
+    _preflight(loaded, types)
+    print(f"{args.pipeline}: valid; stages in order: {' → '.join(execution_order(graph))}")
+    return EXIT_OK
+
+
+def cmd_stages(_: argparse.Namespace) -> int:
+    from opus.pipeline.registry import known_stage_types, load_stage_type
+
+    for name, target in sorted(known_stage_types().items()):
+        doc = (load_stage_type(name).module.__doc__ or "").strip().splitlines()
+        print(f"{name:<12} {target:<24} {doc[0] if doc else ''}")
+    return EXIT_OK
+
+
+COMMANDS = {"run": cmd_run, "resume": cmd_resume, "verify": cmd_verify, "check": cmd_check, "stages": cmd_stages}
