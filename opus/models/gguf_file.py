@@ -1,4 +1,4 @@
-"""Read a llama.cpp GGUF file into an Opus ModelConfig, float tensors and (when practical) a tokenizer.
+"""Read a llama.cpp GGUF file into an Opus ModelConfig, float tensors and a tokenizer (gguf_tokenizer).
 
 Every tensor is dequantized to float32 with ``gguf.quants.dequantize`` (F32/F16/BF16/Q8_0/Q4_0/
 K-quants ...): Opus re-quantizes with its own stages. llama.cpp names are mapped back to the
@@ -19,6 +19,7 @@ import torch
 
 from opus.models import layout
 from opus.models.config import ModelConfig, ModelLoadError
+from opus.models.gguf_tokenizer import gguf_tokenizer
 
 # GGUF general.architecture -> Opus family (llama with experts is Mixtral: layout.family_for_gguf).
 ARCHES = layout.GGUF_ARCHES
@@ -39,13 +40,6 @@ _EXPS = {"ffn_gate_exps": _D.gate_proj, "ffn_up_exps": _D.up_proj, "ffn_down_exp
 _PER_EXPERT = {"ffn_gate": _D.gate_proj, "ffn_up": _D.up_proj, "ffn_down": _D.down_proj}  # legacy Mixtral files
 _TOP = {"token_embd.weight": f"{_D.embedding}.weight", "output_norm.weight": f"{_D.final_norm}.weight",
         "output.weight": f"{_D.lm_head}.weight"}
-# Pre-tokenizer split patterns for byte-level BPE vocabularies (tokenizer.ggml.pre).
-_PRE_REGEX = {
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
-}
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -180,40 +174,8 @@ def map_gguf_tensors(raw: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) 
     return out
 
 
-def gguf_tokenizer(reader: Any) -> Any | None:
-    """A PreTrainedTokenizerFast for byte-level BPE ("gpt2") vocabularies; None for others (SPM...)."""
-    if _field(reader, "tokenizer.ggml.model") != "gpt2":
-        return None
-    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
-    if pre not in ("default", "gpt-2", *_PRE_REGEX):
-        return None  # an unknown split rule would tokenize differently: better no tokenizer than a wrong one
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    if pre in _PRE_REGEX:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_PRE_REGEX[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    types = _field(reader, "tokenizer.ggml.token_type") or []
-    control = [tokens[i] for i, ty in enumerate(types) if ty == 3]  # 3 = CONTROL (special) tokens
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-
-    def name(key: str) -> str | None:
-        idx = _field(reader, key)
-        return tokens[int(idx)] if idx is not None and int(idx) < len(tokens) else None
-
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=name("tokenizer.ggml.bos_token_id"),
-                                   eos_token=name("tokenizer.ggml.eos_token_id"))
-
-
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any | None]:
-    """(config, tensors named for the decoder, tokenizer or None) from a GGUF file."""
+def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
+    """(config, tensors named for the decoder, tokenizer) from a GGUF file; no tokenizer is an error."""
     import gguf
 
     if not path.is_file():
@@ -224,5 +186,6 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any | N
         raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
     raw = _tensors(reader, path)
     cfg = config_from_gguf(_Metadata(reader), raw, path)
+    tokenizer = gguf_tokenizer(path, _Metadata(reader))
     arch = str(_field(reader, "general.architecture"))
-    return cfg, map_gguf_tensors(raw, cfg, arch), gguf_tokenizer(reader)
+    return cfg, map_gguf_tensors(raw, cfg, arch), tokenizer

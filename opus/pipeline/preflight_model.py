@@ -4,8 +4,9 @@ A Hugging Face directory: config.json present, valid JSON, a supported ``model_t
 that make a model (``opus.models.config.config_from_hf`` decides, as the loader would), and every
 safetensors file (from the shard index when there is one) complete: ``safe_open`` maps the file and
 checks that its header covers it exactly, which a truncated copy fails. A GGUF file: its header
-parses, the architecture is supported and the keys the loader needs are there. For both, the
-weights at the pipeline's dtype must fit in this machine's memory (and in the GPU's on CUDA).
+parses, the architecture is supported, the keys the loader needs are there and transformers builds
+its tokenizer (opus.models.gguf_tokenizer). For both, the weights at the pipeline's dtype must fit
+in this machine's memory (and in the GPU's on CUDA).
 Factory models are code: nothing can be read before importing them, so they are left alone.
 """
 
@@ -107,7 +108,9 @@ def _check_hf(loaded: LoadedPipeline, model_dir: Path) -> TokenizerLoader:
 def _check_gguf(loaded: LoadedPipeline, path: Path) -> TokenizerLoader:
     import gguf
 
-    from opus.models.gguf_file import ARCHES, _field, gguf_tokenizer
+    from opus.models.config import ModelLoadError
+    from opus.models.gguf_file import ARCHES, _field, _Metadata
+    from opus.models.gguf_tokenizer import gguf_tokenizer
 
     loc = ("model", "gguf")
     if not path.is_file():
@@ -130,14 +133,13 @@ def _check_gguf(loaded: LoadedPipeline, path: Path) -> TokenizerLoader:
                                f"has {size}: truncated", loc)
     # Every tensor is dequantized to float32 first, whatever the pipeline's dtype.
     _check_memory(loaded, sum(int(t.n_elements) for t in reader.tensors), loc, at_least_bytes=4)
-
-    def tokenizer() -> Any:
-        try:
-            return gguf_tokenizer(reader)
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise loaded.error(f"{path}: cannot build its tokenizer: {exc}", loc) from None
-
-    return tokenizer
+    # Built now, not only when text needs it: the loader builds it too (read_gguf) and would fail
+    # there, inside the first stage; here it is one line before anything runs.
+    try:
+        tok = gguf_tokenizer(path, _Metadata(reader))
+    except ModelLoadError as exc:
+        raise loaded.error(str(exc), loc) from None
+    return lambda: tok
 
 
 def _check_memory(loaded: LoadedPipeline, elements: int, loc: tuple[Any, ...], at_least_bytes: int = 0) -> None:
