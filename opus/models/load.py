@@ -3,7 +3,7 @@
 Sources::
 
     {"hf": DIR}                                   config.json + *.safetensors (+ tokenizer.json)
-    {"gguf": FILE}                                a llama.cpp GGUF file, dequantized to float
+    {"gguf": FILE}                                a llama.cpp GGUF file, dequantized to float (+ its tokenizer)
     {"factory": "pkg.module:function", "args": {...}}   any nn.Module (the generic path)
 
 Relative paths resolve against ``base_dir`` (the pipeline file's directory).
@@ -80,8 +80,10 @@ def load_model(source: dict[str, Any], base_dir: Path | str = ".", dtype: str | 
                device: str | torch.device = "cpu") -> tuple[nn.Module, Any | None]:
     """Load a model source; returns ``(model, tokenizer or None)``.
 
-    The tokenizer is a ``transformers.PreTrainedTokenizerFast`` for hf and gguf sources (None when
-    the source has none), or whatever a factory returned as the second item of a tuple.
+    The tokenizer is a ``transformers.PreTrainedTokenizerFast`` for hf and gguf sources (None for an
+    hf directory without one; a GGUF's is built by transformers' GGUF conversion, and one it cannot
+    build is a ModelLoadError: opus.models.gguf_tokenizer), or whatever a factory returned as the
+    second item of a tuple.
     """
     base_dir = Path(base_dir)
     kind = _source_kind(source)

@@ -105,7 +105,11 @@ def hf_state_for_gguf(model: Any) -> dict[str, torch.Tensor]:
 
 
 def write_gguf(model: Any, family: str, path: Path, qtype: str = "F32", tokenizer: Any = None) -> Path:
-    """Write a transformers model as llama.cpp's convert_hf_to_gguf.py would (F32 or Q8_0 matrices)."""
+    """Write a transformers model as llama.cpp's convert_hf_to_gguf.py would (F32 or Q8_0 matrices).
+
+    ``tokenizer``: a byte-level BPE ``tokenizers.Tokenizer`` (written with pre ``gpt-2``), or the
+    ``tokenizer.ggml.*`` fields themselves (``byte_level_fields`` or hand-made, see ``add_vocab``).
+    """
     import gguf
 
     c = model.config
@@ -131,7 +135,7 @@ def write_gguf(model: Any, family: str, path: Path, qtype: str = "F32", tokenize
         w.add_tokenizer_model("gpt2")
         w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
     else:
-        _add_tokenizer(w, tokenizer)
+        add_vocab(w, tokenizer if isinstance(tokenizer, dict) else byte_level_fields(tokenizer))
     for name, t in hf_state_for_gguf(model).items():
         t = t.detach().float()
         if family in ("llama", "mixtral") and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -153,21 +157,27 @@ def write_gguf(model: Any, family: str, path: Path, qtype: str = "F32", tokenize
     return path
 
 
-def _add_tokenizer(w: Any, tok: Any) -> None:
-    """Byte-level BPE vocabulary and merges, as llama.cpp stores them for 'gpt2' tokenizers."""
+def byte_level_fields(tok: Any, pre: str | None = "gpt-2") -> dict[str, Any]:
+    """A byte-level BPE tokenizer's vocabulary and merges as llama.cpp stores them for 'gpt2' tokenizers."""
     import json
 
     data = json.loads(tok.to_str())
     vocab = data["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     specials = {a["content"] for a in data["added_tokens"] if a["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types([3 if t in specials else 1 for t in tokens])
-    w.add_eos_token_id(vocab["<|endoftext|>"])
+    return {"model": "gpt2", "pre": pre, "tokens": tokens,
+            "merges": [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]],
+            "types": [3 if t in specials else 1 for t in tokens], "eos": vocab.get("<|endoftext|>")}
+
+
+def add_vocab(w: Any, fields: dict[str, Any]) -> None:
+    """Write tokenizer.ggml.* fields (model, pre, tokens, merges, scores, types, bos, eos); None skips one."""
+    w.add_tokenizer_model(fields["model"])
+    w.add_token_list(fields["tokens"])
+    for key, add in (("pre", w.add_tokenizer_pre), ("merges", w.add_token_merges), ("scores", w.add_token_scores),
+                     ("types", w.add_token_types), ("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id)):
+        if fields.get(key) is not None:
+            add(fields[key])
 
 
 def make_factory_model(hidden: int = 8) -> torch.nn.Module:
