@@ -81,8 +81,28 @@ def gguf_tokenizer(path: Path | str, meta: Metadata) -> Any:
             # no merges in the file means a vocabulary of whole tokens only.
             fields["merges"] = []
         backend, extra = convert_gguf_tokenizer(architecture, fields)
+        backend = _within_vocabulary(backend, len(fields["tokens"]))
         return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
     except Exception as exc:  # noqa: BLE001 - a malformed vocabulary fails anywhere inside transformers
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ModelLoadError(f"{path}: transformers cannot build its tokenizer ({type(exc).__name__}: "
                              f"{first})") from exc
+
+
+def _within_vocabulary(backend: Any, size: int) -> Any:
+    """The backend without added tokens past the file's vocabulary.
+
+    transformers' tokenizer classes add their default specials when the vocabulary lacks them
+    (GPT-2's ``<|endoftext|>`` to a Llama 3 vocabulary, at id 128256): the model has no embedding
+    row for such an id, and text that happens to contain the string would index past it.
+    """
+    import json
+
+    from tokenizers import Tokenizer
+
+    data = json.loads(backend.to_str())
+    kept = [t for t in data.get("added_tokens") or [] if t["id"] < size]
+    if len(kept) == len(data.get("added_tokens") or []):
+        return backend
+    data["added_tokens"] = kept
+    return Tokenizer.from_str(json.dumps(data))

@@ -148,6 +148,13 @@ def test_sentencepiece_gguf_tokenizes_like_the_hf_original(tmp_path):
     assert loaded.decode(loaded.encode("naïve café 日本"), skip_special_tokens=True) == "naïve café 日本"
 
 
+def test_no_token_past_the_vocabulary(tmp_path):
+    """transformers' GPT-2 class adds <|endoftext|> to a vocabulary without it; the model has no row for that id."""
+    loaded = _load_gguf(tmp_path, "llama", _tiny_fields(eos=3))
+    assert len(loaded) == 97 and loaded.eos_token == "<t3>"
+    assert all(i < 97 for i in loaded.encode("<|endoftext|> and <t3>"))
+
+
 def _tiny_fields(**override: Any) -> dict[str, Any]:
     return {"model": "gpt2", "pre": "gpt-2", "tokens": [f"<t{i}>" for i in range(97)], **override}
 
