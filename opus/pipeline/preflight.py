@@ -113,9 +113,9 @@ def check_text_sets(loaded: LoadedPipeline, tokenizer: TokenizerLoader) -> None:
     tok: Any = tokenizer()
     for name, text_set in sets.items():
         if tok is None:  # every stage that reads this text would fail on it
-            raise loaded.error("the model has no tokenizer (an hf directory needs tokenizer.json, a GGUF file a "
-                               "byte-level BPE vocabulary), so this text cannot be turned into tokens",
-                               ("data", name))
+            # Only an hf directory can get here: a GGUF's tokenizer either loads or fails the model check.
+            raise loaded.error("the model has no tokenizer (an hf directory needs tokenizer.json), so this text "
+                               "cannot be turned into tokens", ("data", name))
         try:
             if tok is UNKNOWN:  # a factory's tokenizer: only the text itself can be checked
                 documents(text_set, loaded.base_dir)
