@@ -4,12 +4,22 @@ Fidelity compares against the reference the upstream baseline stage saved: ``agr
 (teacher-forced greedy token agreement), ``agreement_free`` (free-running, through the engine and
 its KV cache), ``logits_cosine`` and ``top5_overlap``. Keep this stage's measurement switches the
 same as the baseline's so the ratios compare like with like.
+
+Side by side (``side_by_side``, on by default when a baseline stage is upstream): the unmodified model
+is loaded beside the candidate and P and D are timed in paired rounds (opus.runtime.paired); the
+ratios ``<key>_paired`` (median, [low, high], noisy) are what the run's summary reports and what
+gates on ratios check, at the interval's conservative end. When both models would not fit in the
+memory available now, the stage says so and the ratios fall back to the baseline stage's figures.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import Field
+
 from opus.pipeline.context import StageContext, StageResult
-from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, measure_incoming
+from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, Measured, measure_incoming
 
 VERSION = "1"
 ROLE = "eval"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
@@ -18,24 +28,62 @@ METRICS = SUITE_METRICS | FIDELITY_METRICS  # what a gate on this stage can name
 
 class Config(MeasureConfig):
     fidelity: bool = True  # compare with the upstream baseline's reference
+    side_by_side: bool = True  # time the unmodified model beside this one for P and D ratios
+    side_by_side_rounds: int = Field(5, ge=5, description="paired rounds of P and of D")
+
+
+def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
+    """P and D of the unmodified model and of this one, in paired rounds in this process."""
+    import psutil
+
+    from opus.kv.cache import cache_factory
+    from opus.pipeline.state import load_base
+    from opus.runtime.metrics import model_mb
+    from opus.runtime.paired import measure_paired
+
+    keys = [k for k, on in (("throughput_tok_s", cfg.throughput), ("ttft_ms", cfg.ttft)) if on]
+    if not keys or "throughput_tok_s" not in measured.metrics and "ttft_ms" not in measured.metrics:
+        return {}
+    need_mb = model_mb(measured.loaded.model)  # the unmodified model is at most about this big again x4
+    available_mb = psutil.virtual_memory().available / (1 << 20)
+    if ctx.spec.model.device == "cpu" and 4 * need_mb > 0.8 * available_mb:
+        ctx.log(f"not side by side: the unmodified model may need ~{4 * need_mb:.0f} MB and {available_mb:.0f} MB "
+                "are available; ratios come from the baseline stage's figures")
+        return {}
+    base_model, _ = load_base(ctx.spec, ctx.base_dir)
+    w = ctx.workload
+    paired = measure_paired((base_model, cache_factory(base_model)), (measured.loaded.model, measured.factory),
+                            measured.inputs.prompts, w.output_len, keys, cfg.side_by_side_rounds,
+                            lambda what: measured.progress.advance(1, what))
+    for key, result in paired.items():
+        ctx.log(f"side by side {key.removesuffix('_paired')}: ×{result['ratio']:.3f} "
+                f"[{result['low']:.3f}–{result['high']:.3f}] over {result['n']} paired rounds"
+                + (" (noisy)" if result["noisy"] else ""))
+    return paired
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus.runtime.metrics import Reference, compare_to_reference, fidelity_units
 
-    reference, baseline = None, None
+    reference = None
+    baseline = next((up for up in ctx.upstream.values() if up.baseline), None)
     if cfg.fidelity:
-        baseline = next((up for up in ctx.upstream.values() if up.baseline), None)
         if baseline is None:
             ctx.log("no baseline stage upstream (add one to `needs`): fidelity metrics skipped")
         elif not baseline.artifact(REFERENCE).is_file():
             ctx.log(f"baseline stage '{baseline.id}' left no {REFERENCE}: fidelity metrics skipped")
         else:
             reference = Reference.load(baseline.artifact(REFERENCE))
+    from opus.runtime.paired import paired_units
+
     extra = fidelity_units(reference.tokens.shape[1]) if reference is not None else 0
+    side_by_side = cfg.side_by_side and baseline is not None
+    extra += paired_units(["throughput_tok_s", "ttft_ms"], cfg.side_by_side_rounds) if side_by_side else 0
     measured = measure_incoming(ctx, cfg, extra_units=extra)
     if reference is not None and baseline is not None:
         measured.metrics.update(compare_to_reference(measured.loaded.model, reference, measured.factory,
                                                      measured.progress))
         measured.info["fidelity_reference"] = str(baseline.artifact(REFERENCE))
+    if side_by_side:
+        measured.metrics.update(_side_by_side(ctx, cfg, measured))
     return StageResult(metrics=measured.metrics, info=measured.info)

@@ -72,7 +72,16 @@ def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
     if headline(summary["baseline"]):  # a failed baseline measured nothing: no empty line
         print(f"  baseline  {headline(summary['baseline'])}")
     if summary["final_stage"]:
-        ratios = "  ".join(f"{k} ×{v:.3f}" for k, v in summary["ratios"].items())
+        intervals = summary.get("ratio_intervals") or {}
+
+        def shown(key: str, value: float) -> str:
+            if key not in intervals:
+                return f"{key} ×{value:.3f}"
+            span = intervals[key]
+            noisy = ", noisy" if span["noisy"] else ""
+            return f"{key} ×{value:.3f} [{span['low']:.3f}–{span['high']:.3f} side by side{noisy}]"
+
+        ratios = "  ".join(shown(k, v) for k, v in summary["ratios"].items())
         print(f"  final     {headline(summary['final'])}   ({summary['final_stage']}; {ratios})")
     for rb in summary["rollbacks"]:
         print(f"  rollback  {rb['stage']} attempt {rb['attempt']}: {rb['reason']} → {rb['action']}")

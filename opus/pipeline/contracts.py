@@ -128,6 +128,7 @@ class GateCheck(BaseModel):
     baseline: float | None = None  # relative bounds only
     passed: bool
     compared: float | None = None  # the quantity compared with the threshold (value, ratio or change)
+    interval: tuple[float, float] | None = None  # a side-by-side ratio's [low, high] (opus.runtime.paired)
     reason: str | None = None
 
 

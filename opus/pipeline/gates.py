@@ -1,4 +1,8 @@
-"""Gates: thresholds on any metric a stage reports, absolute or relative to this run's baseline."""
+"""Gates: thresholds on any metric a stage reports, absolute or relative to this run's baseline.
+
+A relative bound on a metric the stage also measured side by side with the baseline
+(``<key>_paired``, opus.runtime.paired) is checked on that ratio's interval, at its conservative end.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from typing import Any
 
 from opus.pipeline.contracts import GateCheck, GateVerdict
 from opus.pipeline.spec import Threshold
+from opus.runtime.noise import conservative_ratio, paired_key
 
 # Short names users write in YAML -> the metric keys stages report.
 ALIASES = {
@@ -30,13 +35,13 @@ def metric_key(name: str) -> str:
     return ALIASES.get(name.lower(), name)
 
 
-def _passes(bound: str, limit: float, value: float, base: float | None) -> tuple[bool, float]:
-    """Return (passed, the compared quantity) for one bound."""
+def _passes(bound: str, limit: float, value: float, ratio: float | None) -> tuple[bool, float]:
+    """Return (passed, the compared quantity) for one bound; ``ratio`` is the value over the baseline."""
     if bound == "min":
         return value >= limit, value
     if bound == "max":
         return value <= limit, value
-    ratio = value / base if base else float("inf")
+    assert ratio is not None  # relative bounds are checked only with a baseline
     if bound == "min_ratio":
         return ratio >= limit, ratio
     if bound == "max_ratio":
@@ -65,8 +70,17 @@ def check_gate(gate: dict[str, Threshold], metrics: dict[str, Any],
                 check.update(passed=False, reason=f"{key} is {value} (not finite)")
             elif bound in RELATIVE_BOUNDS and not isinstance(base, (int, float)):
                 check.update(passed=False, reason=f"no baseline value of '{key}' in this run")
+            elif bound in RELATIVE_BOUNDS and isinstance(paired := metrics.get(paired_key(key)), dict):
+                # Measured side by side with the baseline: the interval's conservative end decides.
+                passed, compared = _passes(bound, float(limit), float(value), conservative_ratio(paired, bound))
+                check.update(passed=passed, compared=compared, baseline=paired["baseline"],
+                             interval=(paired["low"], paired["high"]))
+                if not passed:
+                    check["reason"] = (f"{key} {bound} {limit}: measured {compared:.4g} (the conservative end of "
+                                       f"the side-by-side ratio {paired['low']:.3g}–{paired['high']:.3g})")
             else:
-                passed, compared = _passes(bound, float(limit), float(value), base)
+                passed, compared = _passes(bound, float(limit), float(value),
+                                           float(value) / base if base else float("inf"))
                 check.update(passed=passed, compared=compared)
                 if not passed:
                     check["reason"] = f"{key} {bound} {limit}: measured {compared:.4g}"

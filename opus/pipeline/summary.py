@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from opus.pipeline.verdict import final_record, slowdown_warnings
-from opus.runtime.noise import spread_key
+from opus.runtime.noise import paired_key, spread_key
 
 MEASURES = ("throughput_tok_s", "ttft_ms", "perplexity", "peak_mem_mb")
 FINAL_EXTRA = ("agreement", "logits_cosine", "top5_overlap", "top1_accuracy")
@@ -23,21 +23,27 @@ def build_summary(run_id: str, status: str, records: list[dict[str, Any]], rollb
     baseline = next((r["metrics"] for r in records if r.get("baseline") and r["status"] in ("done", "cached")), {})
     chosen = final_record(records) if status in ("finished", "degraded") else None
     final = _pick(chosen["metrics"], MEASURES + FINAL_EXTRA) if chosen else {}
-    ratios = {}
+    ratios, intervals = {}, {}
     for key in MEASURES:
         new, old = final.get(key), baseline.get(key)
-        if isinstance(new, (int, float)) and isinstance(old, (int, float)) and old:
+        paired = chosen["metrics"].get(paired_key(key)) if chosen else None
+        if isinstance(paired, dict):  # measured side by side: the ratio a run can stand behind
+            ratios[key] = round(paired["ratio"], 4)
+            intervals[key] = {k: paired[k] for k in ("low", "high", "n", "noisy")}
+        elif isinstance(new, (int, float)) and isinstance(old, (int, float)) and old:
             ratios[key] = round(new / old, 4)
     return {
         "status": status,
         "run_id": run_id,
         "reasons": reasons or [],
-        "warnings": slowdown_warnings(baseline, final) if chosen else [],
+        "warnings": slowdown_warnings(baseline, final, intervals) if chosen else [],
         "error": error,
         "baseline": _pick(baseline, MEASURES + ("top1_accuracy",)),
         "final": final,
         "final_stage": chosen["id"] if chosen else None,
         "ratios": ratios,
+        # Ratios measured side by side with the baseline in the final stage: [low, high] over paired rounds.
+        "ratio_intervals": intervals,
         "stages": records,
         "rollbacks": rollbacks,
     }

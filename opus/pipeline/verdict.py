@@ -63,10 +63,18 @@ def final_record(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return gated[-1] if gated else None
 
 
-def slowdown_warnings(baseline: dict[str, Any], final: dict[str, Any]) -> list[str]:
-    """A final model slower than the baseline where the repeats' ranges do not overlap."""
+def slowdown_warnings(baseline: dict[str, Any], final: dict[str, Any],
+                      intervals: dict[str, dict[str, Any]] | None = None) -> list[str]:
+    """A final model slower than the baseline: measured side by side, when the whole interval of the
+    paired ratio says slower; otherwise where the two stages' repeat ranges do not overlap."""
     warnings = []
     for key, higher_is_better in SPEED:
+        span = (intervals or {}).get(key)
+        if span is not None:
+            if (span["high"] < 1) if higher_is_better else (span["low"] > 1):
+                warnings.append(f"the final model is slower than the baseline measured side by side: {key} "
+                                f"×{span['low']:.3f}–{span['high']:.3f} over {span['n']} paired rounds")
+            continue
         old, new = baseline.get(key), final.get(key)
         if not (isinstance(old, (int, float)) and isinstance(new, (int, float)) and old):
             continue

@@ -82,8 +82,9 @@ NOISE_MARK = "within noise"
 
 
 def _headline(summary: dict[str, Any]) -> list[list[str]]:
-    """measure, baseline, final, ratio rows; a timed measure shows its [min, max] over the repeats, and
-    its ratio is marked within noise when the baseline's and the final's ranges overlap (opus.runtime.noise)."""
+    """measure, baseline, final, ratio rows; a timed measure shows its [min, max] over the repeats; a ratio
+    measured side by side shows its interval over the paired rounds, any other is marked within noise when
+    the baseline's and the final's ranges overlap (opus.runtime.noise)."""
     base, final, ratios = summary.get("baseline") or {}, summary.get("final") or {}, summary.get("ratios") or {}
     spreads = {part: part_spreads(summary, part) for part in ("baseline", "final")}
     rows = []
@@ -92,7 +93,11 @@ def _headline(summary: dict[str, Any]) -> list[list[str]]:
             continue
         ranges = [as_range(spreads[part].get(spread_key(key))) for part in ("baseline", "final")]
         ratio = f"×{ratios[key]:.3f}" if key in ratios else "—"
-        if key in ratios and overlap(*ranges):
+        paired = (summary.get("ratio_intervals") or {}).get(key)
+        if paired:  # measured side by side with the baseline: its interval, not the two ranges, says noise
+            ratio += f" [{paired['low']:.3f}–{paired['high']:.3f} side by side, {paired['n']} rounds" + (
+                ", noisy]" if paired["noisy"] else "]")
+        elif key in ratios and overlap(*ranges):
             ratio += f" ({NOISE_MARK})"
         rows.append([label, _with_range(base.get(key), ranges[0]), _with_range(final.get(key), ranges[1]), ratio])
     return rows

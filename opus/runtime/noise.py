@@ -33,6 +33,18 @@ def spread_key(key: str) -> str:
     return key + SPREAD_SUFFIX
 
 
+PAIRED_SUFFIX = "_paired"  # a ratio measured side by side with the baseline (opus.runtime.paired)
+
+
+def paired_key(key: str) -> str:
+    return key + PAIRED_SUFFIX
+
+
+def conservative_ratio(paired: dict[str, Any], bound: str) -> float:
+    """The end of a paired ratio's interval a gate must use: the one least favourable to ``bound``."""
+    return paired["low"] if bound in ("min_ratio", "max_decrease") else paired["high"]
+
+
 def spread(values: Iterable[float]) -> dict[str, float | int]:
     """min, median, max and count of a metric's repeats."""
     data = sorted(float(v) for v in values)

@@ -16,6 +16,7 @@ from opus.pipeline.contracts import UpstreamView
 from opus.pipeline.preflight import undeclared_metrics
 from opus.pipeline.spec import load_pipeline
 from opus.pipeline.state import STATE_FILE, base_state
+from opus.runtime.noise import paired_key
 from stages import REFERENCE, baseline
 from stages import eval as eval_stage
 
@@ -98,6 +99,12 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     assert not undeclared_metrics(eval_stage, got)
     assert got["logits_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert got["perplexity"] == pytest.approx(result.metrics["perplexity"], rel=1e-6)
+    # The same model side by side with the unmodified one: paired rounds, a ratio inside its interval.
+    for key in ("throughput_tok_s", "ttft_ms"):
+        side = got[paired_key(key)]
+        assert side["n"] >= 5 and side["low"] <= side["ratio"] <= side["high"] and side["baseline"] > 0
+    alone = eval_stage.run(ctx, eval_stage.Config(side_by_side=False)).metrics
+    assert paired_key("throughput_tok_s") not in alone
 
 
 def test_eval_without_a_baseline_skips_fidelity(project, tmp_path) -> None:
@@ -146,6 +153,10 @@ def test_opus_run_end_to_end_then_cached(project, tmp_path) -> None:
     assert summary["final"]["agreement"] == 1.0 and summary["final"]["top5_overlap"] == 1.0
     assert summary["final"]["logits_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert [s["status"] for s in summary["stages"]] == ["done", "done"]
+    # The ratios are the eval stage's side-by-side ones, each with its interval.
+    intervals = summary["ratio_intervals"]
+    assert set(intervals) == {"throughput_tok_s", "ttft_ms"}
+    assert intervals["ttft_ms"]["low"] <= summary["ratios"]["ttft_ms"] <= intervals["ttft_ms"]["high"]
 
     assert main(argv) == 0
     again = json.loads((run_dir / "summary.json").read_text())
