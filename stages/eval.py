@@ -38,6 +38,7 @@ def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[st
 
     from opus.kv.cache import cache_factory
     from opus.pipeline.state import load_base
+    from opus.runtime.machine import describe, recorded
     from opus.runtime.metrics import model_mb
     from opus.runtime.paired import measure_paired
 
@@ -51,10 +52,13 @@ def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[st
                 "are available; ratios come from the baseline stage's figures")
         return {}
     base_model, _ = load_base(ctx.spec, ctx.base_dir)
-    w = ctx.workload
-    paired = measure_paired((base_model, cache_factory(base_model)), (measured.loaded.model, measured.factory),
-                            measured.inputs.prompts, w.output_len, keys, cfg.side_by_side_rounds,
-                            lambda what: measured.progress.advance(1, what))
+    w, recorded_on = ctx.workload, {}
+    with recorded(recorded_on):
+        paired = measure_paired((base_model, cache_factory(base_model)), (measured.loaded.model, measured.factory),
+                                measured.inputs.prompts, w.output_len, keys, cfg.side_by_side_rounds,
+                                lambda what: measured.progress.advance(1, what))
+    measured.info["side_by_side_machine"] = recorded_on["machine"]
+    ctx.log(f"side by side on {describe(recorded_on['machine'])}")
     for key, result in paired.items():
         ctx.log(f"side by side {key.removesuffix('_paired')}: ×{result['ratio']:.3f} "
                 f"[{result['low']:.3f}–{result['high']:.3f}] over {result['n']} paired rounds"

@@ -25,6 +25,7 @@ from opus.bench.target import Target, pipeline_budget, resolve_target
 from opus.errors import InputError, OpusError
 from opus.export.native import one_line
 from opus.pipeline.spec import WorkloadSpec
+from opus.runtime.machine import describe, recorded
 from opus.runtime.metrics import Progress, Settings, fidelity_prompts, prepare_inputs
 
 
@@ -119,8 +120,8 @@ def prepare(request: BenchRequest, target: Target, work_dir: Path,
                       f"{blocks.shape[0]} blocks × {blocks.shape[1]} tokens of data.evaluation",
         "fidelity": f"{count} prompts × {prompts.shape[1]} tokens ({prompt_source}), {tokens} greedy tokens each",
         "budget": {"value": budget, "source": source},
-        "environment": f"{threads} threads, torch {torch.__version__}, device {spec.model.device}, "
-                       f"{platform.machine()} {platform.system()}",
+        # completed by run_bench with the machine record (CPU, ISA, threads, libraries, load)
+        "environment": f"device {spec.model.device}, {platform.machine()} {platform.system()}",
     }
     return ctx, report
 
@@ -161,7 +162,7 @@ def run_bench(request: BenchRequest, display: Any) -> tuple[dict[str, Any], list
     target = resolve_target(request.target, request.runs_dir)
     user_gguf = request.gguf is not None or target.loaded.spec.model.gguf is not None
     chosen = [*select(all_contenders(user_gguf), request.only), *request.extra]
-    with tempfile.TemporaryDirectory(prefix="opus-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="opus-bench-") as tmp, recorded(machine := {}):
         ctx, report = prepare(request, target, Path(tmp), display.line)
         per = units(ctx)
         w = ctx.workload
@@ -176,6 +177,8 @@ def run_bench(request: BenchRequest, display: Any) -> tuple[dict[str, Any], list
         if len(chosen) > 1 and ctx.settings.throughput:
             display.update(per * len(chosen), "fp32: P again (drift)")
             report["baseline_recheck"] = _recheck(chosen[0], ctx, rows[0].metrics.get("throughput_tok_s"))
+    report["machine"] = machine["machine"]  # the CPU, its ISA, threads, kernel library and load before/after
+    report["environment"] += f"; {describe(machine['machine'])}"
     judge(rows, report["budget"]["value"])
     return report, rows
 

@@ -40,6 +40,7 @@ from torch import nn
 from opus.kv.cache import CacheFactory
 from opus.runtime.data import DataError, cut_blocks, random_blocks, token_stream
 from opus.runtime.engine import full_logits, generate, model_device
+from opus.runtime.machine import recorded
 from opus.runtime.noise import spread, spread_key
 
 ProgressFn = Callable[..., None]  # (done, total, what) — StageContext.progress
@@ -379,6 +380,18 @@ def measure_suite(model: nn.Module, inputs: Inputs, workload: Any, settings: Set
     progress = progress or Progress()
     progress.expect(suite_units(settings, workload, 0 if inputs.eval_blocks is None else len(inputs.eval_blocks)))
     metrics: dict[str, Any] = {"model_mb": model_mb(model)}
+    info: dict[str, Any] = {}
+    with recorded(info):  # every speed figure says what machine, and how busy, it was measured on
+        _measure_into(metrics, model, inputs, workload, settings, factory, progress)
+    info.update({"prompt_source": inputs.prompt_source, "device": str(model_device(model)),
+                 "threads": torch.get_num_threads(), "torch": torch.__version__})
+    if "peak_mem_method" in metrics:
+        info["memory_method"] = metrics.pop("peak_mem_method")
+    return metrics, info
+
+
+def _measure_into(metrics: dict[str, Any], model: nn.Module, inputs: Inputs, workload: Any, settings: Settings,
+                  factory: CacheFactory, progress: Progress) -> None:
     if settings.throughput:
         metrics.update(measure_throughput(model, inputs.prompts, workload.output_len, factory,
                                           workload.warmup, workload.repeats, progress))
@@ -388,8 +401,3 @@ def measure_suite(model: nn.Module, inputs: Inputs, workload: Any, settings: Set
                                        workload.warmup, workload.repeats, progress))
     if settings.quality and inputs.eval_blocks is not None:
         metrics.update(evaluate_lm(model, inputs.eval_blocks, settings.eval_batch_size, progress))
-    info = {"prompt_source": inputs.prompt_source, "device": str(model_device(model)),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
-    if "peak_mem_method" in metrics:
-        info["memory_method"] = metrics.pop("peak_mem_method")
-    return metrics, info

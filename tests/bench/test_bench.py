@@ -65,6 +65,7 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
     assert set(base["ratios"]) >= {"throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity"}
     assert base["metrics"]["agreement"] == 1.0
     assert report["budget"] == {"value": 0.05, "source": "stage 'check' gate perplexity.max_increase"}
+    assert report["machine"]["cpu"] and "load_after" in report["machine"]  # what the figures were measured on
     for name in ("bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "hf", "onnx-fp32", "onnx-int8"):
         row = rows[name]
         assert row["status"] == "ok", (name, row["reason"])

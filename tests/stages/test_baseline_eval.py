@@ -88,6 +88,7 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     for key in ("throughput_tok_s", "ttft_ms", "peak_mem_mb", "perplexity", "top1_accuracy", "decode_tok_s"):
         assert result.metrics[key] > 0, key
     assert result.info["prompt_source"] == "text" and result.info["kv_cache"] == {"kind": "growing"}
+    assert result.info["machine"]["cpu"] and "load_after" in result.info["machine"]  # what it was measured on
     reference = tmp_path / "baseline" / "artifacts" / REFERENCE
     assert reference.is_file()
 
