@@ -98,9 +98,8 @@ def planned(made: dict[str, Any]) -> Contender:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from opus.atomic import write_bytes, write_text
     from opus.bench.display import BenchDisplay
-    from opus.bench.output import plot, to_json, to_markdown
+    from opus.bench.output import emit
     from opus.bench.run import BenchRequest, run_bench
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -124,15 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                            threads=args.threads, group_size=args.group_size, extra=(planned(made),))
     with BenchDisplay() as display:
         report, rows = run_bench(request, display)
-    markdown, json_text = to_markdown(report, rows), to_json(report, rows)
-    print(json_text if args.format == "json" else markdown, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_text(args.out / "bench.md", markdown)
-        write_text(args.out / "bench.json", json_text)
-        write_bytes(args.out / "bench.png", plot(rows, report["budget"]["value"]))
-        if "plan" in made:
-            write_text(args.out / "plan.yaml", yaml.safe_dump(made["plan"], sort_keys=False, width=120))
+    plan = {"plan.yaml": yaml.safe_dump(made["plan"], sort_keys=False, width=120)} if "plan" in made else {}
+    emit(report, rows, args.format, args.out, plan)
     return 0
 
 

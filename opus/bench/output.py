@@ -5,7 +5,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from opus.bench.core import Row
@@ -95,6 +97,26 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
     lines += ["", "## How each figure is measured", ""]
     lines += [f"- **{name}**: {text}" for name, text in METHODS.items()]
     return "\n".join(lines) + "\n"
+
+
+def emit(report: dict[str, Any], rows: list[Row], fmt: str, out: Path | None,
+         extra_files: dict[str, str] | None = None) -> None:
+    """Print the bench in ``fmt`` (markdown or json); with ``out``, also write bench.md, bench.json,
+    bench.png and ``extra_files`` (name -> text) there."""
+    from opus.atomic import write_bytes, write_text
+
+    markdown, json_text = to_markdown(report, rows), to_json(report, rows)
+    print(json_text if fmt == "json" else markdown, end="")
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "bench.md", markdown)
+    write_text(out / "bench.json", json_text)
+    write_bytes(out / "bench.png", plot(rows, report["budget"]["value"]))
+    for name, text in (extra_files or {}).items():
+        write_text(out / name, text)
+    print(f"wrote {out / 'bench.md'}, bench.json, bench.png" + "".join(f", {n}" for n in extra_files or {}),
+          file=sys.stderr)
 
 
 def to_json(report: dict[str, Any], rows: list[Row]) -> str:

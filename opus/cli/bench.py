@@ -7,7 +7,6 @@ imported inside the command.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +45,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from opus.atomic import write_bytes, write_text
     from opus.bench.display import BenchDisplay
-    from opus.bench.output import plot, to_json, to_markdown
+    from opus.bench.output import emit
     from opus.bench.run import BenchRequest, run_bench
 
     only = [t.strip() for t in args.only.split(",") if t.strip()] if args.only else None
@@ -59,14 +57,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            group_size=args.group_size)
     with BenchDisplay(quiet=args.quiet) as display:
         report, rows = run_bench(request, display)
-    markdown, json_text = to_markdown(report, rows), to_json(report, rows)
-    print(json_text if args.format == "json" else markdown, end="")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_text(args.out / "bench.md", markdown)
-        write_text(args.out / "bench.json", json_text)
-        write_bytes(args.out / "bench.png", plot(rows, report["budget"]["value"]))
-        print(f"wrote {args.out / 'bench.md'}, bench.json, bench.png", file=sys.stderr)
+    emit(report, rows, args.format, args.out)
     return EXIT_OK
 
 

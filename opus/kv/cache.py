@@ -164,9 +164,17 @@ class KindBase:
     name: str = ""
     provider: str | None = None
     simplicity: int = 100
+    OPTIONS: tuple[str, ...] | None = None  # the options build takes; None: not checked
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         raise NotImplementedError
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """A misspelt option fails by name instead of being ignored."""
+        unknown = set(options) - set(self.OPTIONS or options)
+        if unknown:
+            raise ValueError(f"the {self.name} KV cache has no option {', '.join(sorted(unknown))} "
+                             f"(it takes {', '.join(self.OPTIONS or ())})")
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # Unknown allocation: assume it holds the context plus a transient copy, like the growing cache.

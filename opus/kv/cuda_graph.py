@@ -131,10 +131,7 @@ class _CudaGraphKind(static._StaticKind):
     OPTIONS = ("capture", "slot_multiple")
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
-        unknown = set(options) - set(self.OPTIONS)
-        if unknown:
-            raise ValueError(f"the {KIND} KV cache has no option {', '.join(sorted(unknown))} "
-                             f"(it takes {', '.join(self.OPTIONS)})")
+        self.check_options(options)
         return CudaGraphKVCache(shape, bool(options.get("capture", True)), static.slot_multiple_of(options))
 
     def describe(self, options: dict[str, Any]) -> str:

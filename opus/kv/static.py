@@ -204,10 +204,7 @@ class _StaticKind(KindBase):
     OPTIONS = ("compile", "slot_multiple")
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
-        unknown = set(options) - set(self.OPTIONS)
-        if unknown:
-            raise ValueError(f"the {self.name} KV cache has no option {', '.join(sorted(unknown))} "
-                             f"(it takes {', '.join(self.OPTIONS)})")
+        self.check_options(options)
         return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
