@@ -51,6 +51,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
     # Inside the checkpoint the directory is still temporary: record where it will be once committed.
     info["export_dir"] = str(final) if cfg.dir else f"{ctx.stage_id} checkpoint: artifacts/export"
+    warnings = []
     if info.get("onnx_error"):
         ctx.log(f"ONNX: {info['onnx_error']}")
-    return StageResult(metrics=metrics, info=info)
+        warnings.append(f"ONNX not exported ({info['onnx_error']}); the safetensors + recipe export is "
+                        f"there ({info['export_dir']})")
+    return StageResult(metrics=metrics, info=info, warnings=warnings)

@@ -33,6 +33,9 @@ class StageResult:
     recipe: list[dict[str, Any]] = field(default_factory=list)
     baseline: bool = False
     info: dict[str, Any] = field(default_factory=dict)
+    # What the stage did not do that a person would assume it did (an export target that failed, ...):
+    # shown on the console line, listed in the run's warnings and the report. Never a reason to fail.
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass

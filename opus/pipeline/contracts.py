@@ -82,6 +82,7 @@ class ResultRecord(BaseModel):
     config: dict[str, Any] = {}
     remedy: dict[str, Any] | None = None
     duration_s: float | None = None
+    warnings: list[str] = []  # StageResult.warnings
     failure: Failure | None = None  # a rolled-back stage's pass-through checkpoint: why
 
     def as_json(self) -> dict[str, Any]:

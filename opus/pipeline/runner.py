@@ -67,6 +67,7 @@ class StageRecord:
     attempts: int = 0
     duration_s: float | None = None
     note: str = ""
+    warnings: list[str] = field(default_factory=list)  # the stage's own (StageResult.warnings)
 
     def as_json(self) -> dict[str, Any]:
         """The summary's row for this stage."""
@@ -224,7 +225,7 @@ class Runner:
         gate = check_gate(stage.gate, result.metrics, self._baseline()) if status == "cached" else None
         record = StageRecord(stage_id, stage.uses, key, status, self._role(stage_id), str(path),
                              result.metrics, result.baseline, gate, result.attempt + 1, result.duration_s,
-                             failure.reason if failure else "from checkpoint")
+                             failure.reason if failure else "from checkpoint", list(result.warnings))
         self.records[stage_id] = record
         self.events.emit("stage_cached", stage=stage_id, key=key)
         self.display.finished(stage_id, status, record.metrics, None, "(checkpoint reused)")
@@ -343,12 +344,14 @@ class Runner:
                 gate: GateVerdict | None, attempt: int, seconds: float | None, note: str = "") -> None:
         stage = self.spec.stage(stage_id)
         record = StageRecord(stage_id, stage.uses, key, status, self._role(stage_id), str(final), result.metrics,
-                             result.baseline, gate, attempt + 1, round(seconds, 3) if seconds else None, note)
+                             result.baseline, gate, attempt + 1, round(seconds, 3) if seconds else None, note,
+                             list(result.warnings))
         self.records[stage_id] = record
         self.events.emit("stage_" + status, stage=stage_id, key=key, metrics=record.metrics,
-                         gate=gate.as_json() if gate else None, attempts=attempt + 1)
+                         gate=gate.as_json() if gate else None, attempts=attempt + 1, warnings=record.warnings)
         if status == "done":
-            self.display.finished(stage_id, status, record.metrics, seconds)
+            self.display.finished(stage_id, status, record.metrics, seconds,
+                                  "".join(f"— warning: {w}" for w in record.warnings[:1]))
 
     def _rollback(self, stage_id: str, attempt: int, failure: Failure, metrics: dict[str, Any],
                   action: str, remedy: Any, restored: Path | None, out_dir: Path) -> None:

@@ -36,7 +36,8 @@ def build_summary(run_id: str, status: str, records: list[dict[str, Any]], rollb
         "status": status,
         "run_id": run_id,
         "reasons": reasons or [],
-        "warnings": slowdown_warnings(baseline, final, intervals) if chosen else [],
+        "warnings": (slowdown_warnings(baseline, final, intervals) if chosen else []) + [
+            f"{r['id']}: {w}" for r in records if r["status"] in ("done", "cached") for w in r.get("warnings") or []],
         "error": error,
         "baseline": _pick(baseline, MEASURES + ("top1_accuracy",)),
         "final": final,

@@ -63,7 +63,7 @@ def _finish(ctx: StageContext, job: Job, result: StageResult, started: float) ->
     record = ResultRecord(
         status="done", metrics=_jsonable_metrics(result.metrics), baseline=result.baseline,
         info=json.loads(json.dumps(result.info, default=str)), attempt=job.attempt, config=job.config,
-        remedy=job.remedy, duration_s=round(time.monotonic() - started, 3))
+        remedy=job.remedy, duration_s=round(time.monotonic() - started, 3), warnings=list(result.warnings))
     common = dict(key=job.key, key_parts=job.key_parts, stage_id=job.stage_id, uses=job.uses, result=record,
                   reserve_mb=ctx.spec.run.min_free_disk_mb)
     if result.model is None:

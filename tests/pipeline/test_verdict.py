@@ -29,6 +29,19 @@ def test_every_stage_done_is_finished_with_the_eval_metrics_final(tmp_path: Path
     assert list(result)[0] == "status"
 
 
+def test_what_a_stage_did_not_do_is_a_warning_of_the_run_not_a_failure(tmp_path: Path) -> None:
+    code, run_dir = _run(tmp_path, [
+        BASE, {"id": "q", "uses": SCALE, "needs": ["base"]},
+        {"id": "check", "uses": MEASURE, "needs": ["base", "q"], "with": {"role": "eval"}},
+        {"id": "out", "uses": MEASURE, "needs": ["check"], "with": {"role": "export", "warn": "ONNX not exported"}}])
+    result = summary(run_dir)
+    assert code == 0 and result["status"] == "finished"
+    assert result["warnings"] == ["out: ONNX not exported"]
+    assert next(s for s in result["stages"] if s["id"] == "out")["warnings"] == ["ONNX not exported"]
+    assert run_cli("run", tmp_path / "p.yaml", "--run-dir", run_dir) == 0  # cached: the warning stays
+    assert summary(run_dir)["warnings"] == ["out: ONNX not exported"]
+
+
 def test_failed_baseline_ends_the_run_whatever_on_fail_says(tmp_path: Path) -> None:
     base = {**BASE, "gate": {"throughput": {"min": 1000}}, "on_fail": "skip"}
     code, run_dir = _run(tmp_path, [base, {"id": "q", "uses": SCALE, "needs": ["base"]}])
