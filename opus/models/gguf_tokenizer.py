@@ -8,11 +8,13 @@ table gets GPT-2's own split. Opus keeps no table of patterns: it only decides w
 fallback stands for (llama.cpp's rule for them is GPT-2's split), so that any other name is an
 error naming the field rather than a tokenizer that silently splits text another way.
 
-Known differences from the Hugging Face tokenizer a GGUF was made from (tests/models/test_gguf_tokenizer.py):
+For the names in ``GPT2_SPLIT_DIGITS_FIRST`` (``smollm`` ...) llama.cpp and the HF original split
+every digit off before GPT-2's rule; transformers keeps GPT-2's rule alone, which gave other ids
+wherever two or more spaces stand right before a digit ("x  +  1", indentation before a number).
+Opus puts the digit split in front, as the HF original does.
 
-- ``smollm`` (and the other names in ``GPT2_SPLIT_DIGITS_FIRST``): llama.cpp and the HF original
-  split every digit off first; transformers does not. Ids differ only where two or more whitespace
-  characters stand right before a digit ("x  +  1", indentation before a number).
+Known difference from the Hugging Face tokenizer a GGUF was made from (tests/models/test_gguf_tokenizer.py):
+
 - ``qwen2``: the HF original NFC-normalizes text first; transformers (like llama.cpp) does not, so
   decomposed accents ("e" + U+0301) tokenize differently. Composed text is identical.
 """
@@ -81,6 +83,11 @@ def gguf_tokenizer(path: Path | str, meta: Metadata) -> Any:
             # no merges in the file means a vocabulary of whole tokens only.
             fields["merges"] = []
         backend, extra = convert_gguf_tokenizer(architecture, fields)
+        if fields.get("tokenizer_type") == "gpt2" and str(meta.get(PRE_KEY) or "default") in GPT2_SPLIT_DIGITS_FIRST:
+            from tokenizers import pre_tokenizers
+
+            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                             backend.pre_tokenizer])
         backend = _within_vocabulary(backend, len(fields["tokens"]))
         return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
     except Exception as exc:  # noqa: BLE001 - a malformed vocabulary fails anywhere inside transformers
