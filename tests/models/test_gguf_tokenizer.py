@@ -85,9 +85,10 @@ def test_byte_level_gguf_tokenizes_like_the_hf_original(pre, arch, tmp_path):
 
 
 def test_known_differences_from_the_hf_original(tmp_path):
-    """transformers' conversion differs from the HF original here (opus/models/gguf_tokenizer.py says so).
+    """Where transformers' conversion differs from the HF original (opus/models/gguf_tokenizer.py says so):
+    smollm's digit split, which Opus restores (so it agrees), and qwen2's NFC, which it leaves.
 
-    When an assertion fails, transformers has closed the gap: drop the note there and this case.
+    When the qwen2 assertion fails, transformers has closed the gap: drop the note there and this case.
     """
     # smollm: llama.cpp and the HF original split each digit off first, so "  1" is "ĠĠ" + "1"; transformers
     # keeps GPT-2's split alone ("Ġ" + "Ġ1"): Opus puts the digit split in front, and then they agree.
