@@ -374,11 +374,9 @@ def table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
 def machine() -> str:
     import torch
 
-    cpu = platform.processor() or "unknown CPU"
-    if Path("/proc/cpuinfo").is_file():
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-    return (f"machine: {cpu}; {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable); "
+    from opus.runtime.machine import cpu_model
+
+    return (f"machine: {cpu_model()}; {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable); "
             f"torch {torch.__version__}; Python {platform.python_version()}; {platform.system()} {platform.release()}")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from opus.atomic import read_json
 from opus.errors import InputError
+from opus.pipeline.contracts import read_result
 from opus.pipeline.spec import LoadedPipeline, load_pipeline
 
 KEPT = ("done", "cached")
@@ -53,10 +54,10 @@ def final_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
     committed = []
     for path in sorted((run_dir / "stages").glob("[0-9][0-9]-*")):
         try:
-            result = read_json(path / "result.json")
-        except (OSError, ValueError):
+            result = read_result(path)
+        except (OSError, ValueError):  # ValueError: not JSON, or not a result record
             continue
-        if (path / "manifest.json").is_file() and result.get("status") == "done":
+        if (path / "manifest.json").is_file() and result.status == "done":
             committed.append(path)
     return (committed[-1], committed[-1].name[3:]) if committed else (None, None)
 

@@ -37,7 +37,7 @@ from opus.pipeline.checkpoint import (
     write_checkpoint,
 )
 from opus.pipeline.console import RunDisplay
-from opus.pipeline.contracts import Failure, GateVerdict, Job, ResultRecord, UpstreamView, read_result
+from opus.pipeline.contracts import JOB_FILE, Failure, GateVerdict, Job, ResultRecord, UpstreamView, read_result
 from opus.pipeline.events import EventLog
 from opus.pipeline.gates import check_gate, verified
 from opus.pipeline.graph import ancestors, execution_order, validate
@@ -292,7 +292,7 @@ class Runner:
         env = {"OMP_NUM_THREADS": str(self.spec.run.threads)} if self.spec.run.threads else {}
         job = self._job(stage_id, key, cfg, attempt, remedy, incoming, out_dir)
         outcome = run_worker(
-            job, out_dir / "job.json", self.run_dir / "logs" / f"{final.name}.log",
+            job, out_dir / JOB_FILE, self.run_dir / "logs" / f"{final.name}.log",
             stall_timeout_s=self.spec.run.stall_timeout_s,
             timeout_s=stage.timeout_s or self.spec.run.stage_timeout_s,
             on_message=lambda m, s=stage_id: self.display.update(s, m), env=env)
