@@ -138,7 +138,7 @@ def test_export_mappings_are_data() -> None:
                                                     "strategy": "token", "dynamic": True}
     assert schemes["w8a8_tensor"]["input_activations"]["strategy"] == "tensor"
     assert schemes["w8a16"]["input_activations"] is None and schemes["w8a16"]["weights"]["num_bits"] == 8
-    assert schemes["w4a16"]["weights"] == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+    assert schemes["w4a16"]["weights"] == {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                           "group_size": "from the recipe"}
     assert schemes["fp8"]["weights"]["type"] == "float" and schemes["fp8"]["preset"] == "FP8_DYNAMIC"
 

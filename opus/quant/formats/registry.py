@@ -21,7 +21,7 @@ from opus.errors import OpusError
 
 @dataclass(frozen=True)
 class ExportMapping:
-    """How exporters name the format (data only; no exporter reads it yet).
+    """How exporters name the format: ``opus.export.hf`` and ``opus.export.gguf_mix`` read it.
 
     ``compressed_tensors``: the scheme of a ``quantization_config`` config group (llm-compressor's
     format), None where the layer is stored dense. ``gguf``: the GGUF tensor type, None where GGUF has

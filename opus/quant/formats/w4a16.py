@@ -101,10 +101,12 @@ class Int4Format(Format):
 
 
 # 4.25 bits: one fp32 scale and zero per 128 weights. Asymmetric (scale and zero per group), so the
-# compressed-tensors scheme is W4A16_ASYM and the GGUF type the one with per-block minimums (Q4_K).
+# GGUF type is the one with per-block minimums (Q4_K). compressed-tensors gets the symmetric W4A16
+# scheme: its asymmetric packed zero points do not load in transformers 5.x (llm-compressor#1618,
+# transformers#47430), so the HF exporter requantizes each group symmetrically and says so.
 register(Int4Format(
     "w4a16", 4.25, rank=10, module=Int4WeightOnlyLinear, uses_group_size=True, static_path=True,
-    export=ExportMapping({"weights": {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+    export=ExportMapping({"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                       "group_size": "from the recipe"},
-                          "input_activations": None, "format": "pack-quantized", "preset": "W4A16_ASYM"},
+                          "input_activations": None, "format": "pack-quantized", "preset": "W4A16"},
                          "Q4_K")))

@@ -1,0 +1,106 @@
+"""The Hugging Face export (compressed-tensors): transformers loads it and computes what Opus computes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from opus.export.hf import export_hf
+from opus.export.native import ExportSettings
+from opus.fusion import FusionConfig, fuse_model, lm_probe
+from opus.models import load_model
+from opus.quant.apply import quantize_model
+from opus.quant.calibrate import collect_stats
+
+K3 = Path(__file__).resolve().parents[2] / "examples" / "k3" / "model"
+
+
+def _settings(source: dict) -> ExportSettings:
+    return ExportSettings(source=source, base_dir=Path("."), prompts=["def main():\n", "import os\nimport sys\n",
+                                                                      "The quick brown fox"])
+
+
+def _tiny_llama(tmp_path: Path, tie: bool) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    return tmp_path / "src"
+
+
+def _linears(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("mlp.gate")]
+
+
+@torch.no_grad()
+def test_k3_mixed_plan_fused_loads_in_transformers_with_the_same_next_tokens(tmp_path: Path) -> None:
+    model, tokenizer = load_model({"hf": str(K3)}, Path("."))
+    ids = torch.tensor([tokenizer.encode("def main():\n    return 42\n")])
+    plan = {n: "w8a8" if "self_attn" in n else "w4a16" if "experts" in n else "w8a16" for n in _linears(model)}
+    quantize_model(model, plan, collect_stats(model, ids), group_size=64)
+    model = fuse_model(model, FusionConfig(), lm_probe(ids)).model
+    outcome = export_hf(model, tokenizer, {}, tmp_path, _settings({"hf": str(K3)}))
+    assert outcome.exported and outcome.path == "hf", outcome.reason
+    assert outcome.metrics["hf_loads_in_transformers"] == 1, outcome.info.get("transformers_error")
+    assert outcome.metrics["hf_next_token_agreement"] == 1.0
+    out = tmp_path / "hf"
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False  # the quantized lm_head no longer shares the embedding
+    q = config["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "mixed-precision"
+    targets = {t for g in q["config_groups"].values() for t in g["targets"]}
+    assert "model.layers.0.self_attn.q_proj" in targets and "lm_head" in targets
+    assert r"re:^model\.layers\.3\.block_sparse_moe\.experts\.7\.w2$" in targets
+    assert q["ignore"] == [f"model.layers.{i}.block_sparse_moe.gate" for i in range(4)]  # the routers stay float
+    assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
+    # The w4a16 experts were requantized (symmetric groups); int8 layers hold Opus's integers.
+    assert len(outcome.layers_not_as_planned) == 4 * 8 * 3
+    assert all("requantized" in why for why in outcome.layers_not_as_planned.values())
+
+
+@torch.no_grad()
+def test_int8_layers_hold_exactly_the_integers_opus_runs(tmp_path: Path) -> None:
+    source = _tiny_llama(tmp_path, tie=True)
+    model, _ = load_model({"hf": str(source)}, Path("."))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    quantize_model(model, {n: "w8a8" for n in _linears(model) if n != "lm_head"}, collect_stats(model, ids))
+    q_rows = model.model.layers[0].self_attn.q_proj.qweight.clone()
+    k_rows = model.model.layers[0].self_attn.k_proj.qweight.clone()
+    model = fuse_model(model, FusionConfig(), lm_probe(ids)).model  # q/k/v become one layer
+    assert hasattr(model.model.layers[0].self_attn, "qkv_proj")
+    outcome = export_hf(model, None, {}, tmp_path / "x", _settings({"hf": str(source)}))
+    assert outcome.exported and outcome.layers_not_as_planned == {}
+    assert outcome.metrics["hf_loads_in_transformers"] == 1 and outcome.metrics["hf_next_token_agreement"] == 1.0
+    with safe_open(str(tmp_path / "x" / "hf" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.weight"), q_rows)
+        assert torch.equal(f.get_tensor("model.layers.0.self_attn.k_proj.weight"), k_rows)
+        assert "lm_head.weight" not in f.keys()  # float and tied: transformers ties it again
+    config = json.loads((tmp_path / "x" / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    group = next(iter(config["quantization_config"]["config_groups"].values()))
+    assert group["format"] == "int-quantized" and group["input_activations"]["strategy"] == "token"
+
+
+@torch.no_grad()
+def test_float_model_exports_without_quantization_config_and_matches(tmp_path: Path) -> None:
+    source = _tiny_llama(tmp_path, tie=False)
+    model, _ = load_model({"hf": str(source)}, Path("."))
+    outcome = export_hf(model, None, {}, tmp_path / "x", _settings({"hf": str(source)}))
+    assert outcome.exported and outcome.metrics["hf_max_abs_diff"] < 1e-4
+    assert "quantization_config" not in json.loads((tmp_path / "x" / "hf" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("source", [{"gguf": "model.gguf"}, {"factory": "pkg.mod:build"}])
+def test_a_source_without_config_json_is_not_exported_with_the_reason(tmp_path: Path, source: dict) -> None:
+    from tests.quant.tiny import tiny_decoder
+
+    outcome = export_hf(tiny_decoder("llama"), None, {}, tmp_path, _settings(source))
+    assert not outcome.exported and "needs a Hugging Face source directory" in outcome.reason
+    assert not (tmp_path / "hf").exists()
