@@ -3,6 +3,7 @@
 Sources::
 
     {"hf": DIR}                                   config.json + *.safetensors (+ tokenizer.json)
+    {"hf": "org/name"}                            the same, from the local Hugging Face cache (opus.models.hub)
     {"gguf": FILE}                                a llama.cpp GGUF file, dequantized to float (+ its tokenizer)
     {"factory": "pkg.module:function", "args": {...}}   any nn.Module (the generic path)
 
@@ -89,8 +90,9 @@ def load_model(source: dict[str, Any], base_dir: Path | str = ".", dtype: str | 
     kind = _source_kind(source)
     if kind == "hf":
         from opus.models import hf
+        from opus.models.hub import resolve_hf_dir
 
-        model_dir = _resolve(source["hf"], base_dir)
+        model_dir = resolve_hf_dir(source["hf"], base_dir)
         _, cfg = hf.read_config(model_dir)
         model = build_model(cfg, hf.read_hf_tensors(model_dir, cfg), dtype, device, origin=str(model_dir))
         return model, hf.load_hf_tokenizer(model_dir)

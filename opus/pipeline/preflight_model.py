@@ -31,7 +31,7 @@ def check_model(loaded: LoadedPipeline) -> TokenizerLoader:
     """Check the model source's files; return how to get its tokenizer for the text checks."""
     spec = loaded.spec.model
     if spec.hf:
-        return _check_hf(loaded, loaded.base_dir / spec.hf)
+        return _check_hf(loaded, loaded.base_dir / spec.source()["hf"])  # a hub id: its cached snapshot
     if spec.gguf:
         return _check_gguf(loaded, loaded.base_dir / spec.gguf)
     return lambda: UNKNOWN  # a factory: what it returns is known only once it runs

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from opus.errors import InputError
 from opus.pipeline.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines, parse_yaml
@@ -18,12 +18,14 @@ class Strict(BaseModel):
 
 
 class ModelSpec(Strict):
-    hf: str | None = None
+    hf: str | None = None  # a directory, or a hub id "org/name" read from the local HF cache (opus.models.hub)
     gguf: str | None = None
     factory: str | None = None
     args: dict[str, Any] = Field(default_factory=dict)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
+    # The cached snapshot an ``hf`` hub id names (set by load_pipeline): what every reader of the source gets.
+    _hf_dir: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -37,7 +39,7 @@ class ModelSpec(Strict):
     def source(self) -> dict[str, Any]:
         if self.factory:
             return {"factory": self.factory, "args": dict(self.args)}
-        return {"hf": self.hf} if self.hf else {"gguf": self.gguf}
+        return {"hf": self._hf_dir or self.hf} if self.hf else {"gguf": self.gguf}
 
 
 class TextSetSpec(Strict):
@@ -196,12 +198,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> set[Loc]:
     return touched
 
 
+def _resolve_hub_id(loaded: LoadedPipeline, required: bool) -> None:
+    """``hf: org/name`` that is no path here: the snapshot it names in the local Hugging Face cache
+    (opus.models.hub; nothing is downloaded). Absent from the cache, one line before anything runs."""
+    model = loaded.spec.model
+    if not model.hf or (loaded.base_dir / model.hf).exists():
+        return
+    from opus.models.hub import cached_snapshot, looks_like_hub_id, not_cached
+
+    if not looks_like_hub_id(model.hf):
+        return  # a path that does not exist: _check_paths says so
+    snapshot = cached_snapshot(model.hf)
+    if snapshot is not None:
+        model._hf_dir = str(snapshot)
+    elif required:
+        raise loaded.error(not_cached(model.hf, loaded.base_dir / model.hf), ("model", "hf"))
+
+
 def _check_paths(loaded: LoadedPipeline) -> None:
     """Paths that must exist before anything runs: the model source and the data files."""
     spec, base = loaded.spec, loaded.base_dir
     for key in ("hf", "gguf"):
         value = getattr(spec.model, key)
-        if value and not (base / value).exists():
+        if value and not (base / value).exists() and not (key == "hf" and spec.model._hf_dir):
             raise loaded.error(f"model path does not exist: {base / value}", ("model", key))
     for set_name in ("calibration", "evaluation"):
         text_set = getattr(spec.data, set_name)
@@ -238,6 +257,7 @@ def load_pipeline(path: Path | str, overrides: list[str] | None = None,
         elif "input" in first and not isinstance(first["input"], (dict, list)):
             message += f" (got {first['input']!r})"
         raise loaded.error(message, loc) from None
+    _resolve_hub_id(loaded, required=check_paths)
     if check_paths:
         _check_paths(loaded)
     return loaded

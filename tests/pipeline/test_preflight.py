@@ -149,6 +149,28 @@ def test_config_json_missing_broken_or_implausible(project: Path, capsys: pytest
     assert err.endswith("config.json is missing: not a Hugging Face model directory")
 
 
+def test_a_hub_id_reads_the_local_cache(project: Path, capsys: pytest.CaptureFixture,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from opus.pipeline.spec import load_pipeline
+
+    cache = project / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    edit(project / "p.yaml", "hf: model", "hf: tiny-org/tiny-llama")
+    err = check(capsys, project / "p.yaml")
+    assert err == (f"error: {project}/p.yaml:3: model.hf: 'tiny-org/tiny-llama' is not a directory "
+                   f"({project}/tiny-org/tiny-llama) and not in the Hugging Face cache {cache} (no "
+                   "models--tiny-org--tiny-llama/snapshots there); Opus never downloads: download it there first "
+                   "(hf download tiny-org/tiny-llama) or set HF_HUB_CACHE / HF_HOME to the cache that holds it")
+    repo = cache / "models--tiny-org--tiny-llama"
+    shutil.copytree(project / "model", repo / "snapshots" / "c0ffee")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    assert main(["check", str(project / "p.yaml")]) == 0, capsys.readouterr().err
+    loaded = load_pipeline(project / "p.yaml")
+    assert loaded.spec.model.hf == "tiny-org/tiny-llama"  # as written; every reader gets the snapshot
+    assert loaded.spec.model.source() == {"hf": str(repo / "snapshots" / "c0ffee")}
+
+
 def test_truncated_safetensors(project: Path, capsys: pytest.CaptureFixture) -> None:
     weights = project / "model" / "model.safetensors"
     data = weights.read_bytes()
