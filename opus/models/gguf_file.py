@@ -19,27 +19,17 @@ import torch
 
 from opus.models import layout
 from opus.models.config import ModelConfig, ModelLoadError
+from opus.models.gguf_names import BLOCK as _BLOCK  # llama.cpp's names: one table with the GGUF writer
+from opus.models.gguf_names import EXPERT_STACKS as _EXPS
+from opus.models.gguf_names import PER_EXPERT as _PER_EXPERT
+from opus.models.gguf_names import PERMUTED as _PERMUTED
+from opus.models.gguf_names import TOP as _TOP
+from opus.models.gguf_names import VECTOR as _VECTOR
 from opus.models.gguf_tokenizer import gguf_tokenizer
 
 # GGUF general.architecture -> Opus family (llama with experts is Mixtral: layout.family_for_gguf).
 ARCHES = layout.GGUF_ARCHES
 _D = layout.DECODER
-_BLOCK = {  # llama.cpp's per-block tensor names -> the decoder's paths inside a layer
-    "attn_norm": _D.input_norm, "ffn_norm": _D.post_attention_norm,
-    "attn_q": f"{_D.attention}.{_D.q_proj}", "attn_k": f"{_D.attention}.{_D.k_proj}",
-    "attn_v": f"{_D.attention}.{_D.v_proj}", "attn_output": f"{_D.attention}.{_D.o_proj}",
-    "attn_q_norm": f"{_D.attention}.{_D.q_norm}", "attn_k_norm": f"{_D.attention}.{_D.k_norm}",
-    "ffn_gate": f"{_D.mlp}.{_D.gate_proj}", "ffn_up": f"{_D.mlp}.{_D.up_proj}", "ffn_down": f"{_D.mlp}.{_D.down_proj}",
-    "ffn_gate_inp": f"{_D.mlp}.{_D.router}",
-    "ffn_gate_shexp": f"{_D.mlp}.{_D.shared_expert}.{_D.gate_proj}",
-    "ffn_up_shexp": f"{_D.mlp}.{_D.shared_expert}.{_D.up_proj}",
-    "ffn_down_shexp": f"{_D.mlp}.{_D.shared_expert}.{_D.down_proj}",
-    "ffn_gate_inp_shexp": f"{_D.mlp}.{_D.shared_expert_gate}",
-}
-_EXPS = {"ffn_gate_exps": _D.gate_proj, "ffn_up_exps": _D.up_proj, "ffn_down_exps": _D.down_proj}
-_PER_EXPERT = {"ffn_gate": _D.gate_proj, "ffn_up": _D.up_proj, "ffn_down": _D.down_proj}  # legacy Mixtral files
-_TOP = {"token_embd.weight": f"{_D.embedding}.weight", "output_norm.weight": f"{_D.final_norm}.weight",
-        "output.weight": f"{_D.lm_head}.weight"}
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -164,9 +154,9 @@ def map_gguf_tensors(raw: dict[str, torch.Tensor], cfg: ModelConfig, arch: str) 
         elif expert is not None and kind in _PER_EXPERT:
             out[f"{experts}.{expert}.{_PER_EXPERT[kind]}.weight"] = t
         elif kind in _BLOCK:
-            if permuted and kind in ("attn_q", "attn_k"):
-                t = unpermute_qk(t, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
-            if kind == "ffn_gate_inp_shexp":
+            if permuted and kind in _PERMUTED:
+                t = unpermute_qk(t, getattr(cfg, _PERMUTED[kind]))
+            if kind in _VECTOR:
                 t = t.reshape(1, -1)  # llama.cpp stores the shared-expert gate as a vector
             out[f"{prefix}.{_BLOCK[kind]}.{param}"] = t
         else:
