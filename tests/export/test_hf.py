@@ -104,3 +104,24 @@ def test_a_source_without_config_json_is_not_exported_with_the_reason(tmp_path: 
     outcome = export_hf(tiny_decoder("llama"), None, {}, tmp_path, _settings(source))
     assert not outcome.exported and "needs a Hugging Face source directory" in outcome.reason
     assert not (tmp_path / "hf").exists()
+
+
+@torch.no_grad()
+def test_fp8_layers_are_written_as_the_same_fp8_bytes_and_load(tmp_path: Path) -> None:
+    """FP8 runs on CUDA only; its layers are built directly here (storage is the same on any device)."""
+    from opus.quant.formats import FORMATS
+
+    source = _tiny_llama(tmp_path, tie=False)
+    model, _ = load_model({"hf": str(source)}, Path("."))
+    for name in (n for n in _linears(model) if n != "lm_head"):
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, FORMATS["fp8"].build(model.get_submodule(name), 64))
+    outcome = export_hf(model, None, {}, tmp_path / "x", _settings({"hf": str(source)}))
+    assert outcome.exported and outcome.metrics["hf_loads_in_transformers"] == 1, outcome.info
+    config = json.loads((tmp_path / "x" / "hf" / "config.json").read_text())
+    group = next(iter(config["quantization_config"]["config_groups"].values()))
+    assert group["format"] == "float-quantized" and group["weights"]["type"] == "float"
+    with safe_open(str(tmp_path / "x" / "hf" / "model.safetensors"), "pt") as f:
+        stored = f.get_tensor("model.layers.1.mlp.down_proj.weight")
+    assert stored.dtype == torch.float8_e4m3fn
+    assert torch.equal(stored.view(torch.uint8), model.model.layers[1].mlp.down_proj.qweight.view(torch.uint8))
