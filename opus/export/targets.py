@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TARGETS = ("native", "hf", "gguf", "onnx")
+EXPORTS_FILE = "exports.json"  # the export stage's published artifact: every target's record (the report reads it)
 
 
 @dataclass

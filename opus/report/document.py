@@ -19,6 +19,7 @@ import yaml
 
 from opus.atomic import read_json, write_bytes, write_text
 from opus.errors import InputError
+from opus.export.targets import EXPORTS_FILE
 from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.events import EventLog
 from opus.pipeline.run_files import ARTIFACTS_DIR, find_artifact
@@ -213,6 +214,25 @@ def _fusion(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
     return blocks
 
 
+def _exports(run_dir: Path) -> list[Block]:
+    """Every export target: exported or not (with the reason), where, and how it was checked."""
+    blocks: list[Block] = [("h", "Exports")]
+    found = _load_artifact(run_dir, EXPORTS_FILE)
+    if found is None or not isinstance(found[1], dict):
+        return blocks + [("note", f"no export in this run (no {EXPORTS_FILE} artifact)")]
+    stage, data = found
+    rows = []
+    for name, target in (data.get("targets") or {}).items():
+        if target.get("exported"):
+            notes = target.get("layers_not_as_planned") or {}
+            detail = f"{len(notes)} layers stored differently from the plan" if notes else ""
+            rows.append([name, "exported", target.get("path") or "", detail])
+        else:
+            rows.append([name, "not exported", "", target.get("reason") or ""])
+    return blocks + [("p", f"from stage '{stage}', in {data.get('export_dir', '?')}"),
+                     ("table", ["target", "status", "path", "notes"], rows)]
+
+
 def _decisions(run_dir: Path, summary: dict[str, Any]) -> list[Block]:
     """Every choice made from timings (opus.runtime.choose): candidates' medians, the noise margin, the winner, why."""
     blocks: list[Block] = [("h", "Decisions from timings")]
@@ -353,7 +373,7 @@ def build(run_dir: Path) -> tuple[list[Block], dict[str, bytes]]:
     info = read_json(run_dir / "run.json") if (run_dir / "run.json").is_file() else {}
     images: dict[str, bytes] = {}
     blocks = (_overview(run_dir, summary, info) + _stages(summary, images) + _precision(run_dir, images)
-              + _profile(run_dir, images) + _fusion(run_dir, images) + _decisions(run_dir, summary)
+              + _profile(run_dir, images) + _fusion(run_dir, images) + _exports(run_dir) + _decisions(run_dir, summary)
               + _timeline(run_dir, summary, images))
     return blocks, images
 
