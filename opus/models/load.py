@@ -5,7 +5,8 @@ Sources::
     {"hf": DIR}                                   config.json + *.safetensors (+ tokenizer.json)
     {"hf": "org/name"}                            the same, from the local Hugging Face cache (opus.models.hub)
     {"gguf": FILE}                                a llama.cpp GGUF file, dequantized to float (+ its tokenizer)
-    {"factory": "pkg.module:function", "args": {...}}   any nn.Module (the generic path)
+    {"factory": "pkg.module:function", "args": {...}}   any nn.Module (the generic path); a transformers
+                                                  causal LM of a known family becomes Opus's decoder
 
 Relative paths resolve against ``base_dir`` (the pipeline file's directory).
 """
@@ -14,13 +15,16 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from opus.models.config import ModelConfig, ModelLoadError
+from opus.models import layout
+from opus.models.config import FAMILIES, ModelConfig, ModelLoadError, config_from_hf
 from opus.models.decoder import DecoderLM
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -105,9 +109,7 @@ def load_model(source: dict[str, Any], base_dir: Path | str = ".", dtype: str | 
     return _load_factory(source, base_dir, dtype, device)
 
 
-def _load_factory(source: dict[str, Any], base_dir: Path, dtype: str | torch.dtype,
-                  device: str | torch.device) -> tuple[nn.Module, Any | None]:
-    spec = str(source["factory"])
+def _import_factory(spec: str, base_dir: Path) -> Callable[..., Any]:
     mod_name, _, fn_name = spec.partition(":")
     if not mod_name or not fn_name:
         raise ModelLoadError(f"factory {spec!r} must look like 'package.module:function'")
@@ -125,8 +127,72 @@ def _load_factory(source: dict[str, Any], base_dir: Path, dtype: str | torch.dty
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ModelLoadError(f"factory {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def is_transformers_model(model: object) -> bool:
+    """A transformers ``PreTrainedModel`` (without importing transformers when nothing has)."""
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def transformers_config(model: nn.Module, origin: str) -> ModelConfig:
+    """The decoder config of a transformers causal LM of a family Opus knows; else a ModelLoadError
+    naming its class. Its weights are not read (preflight calls this on a model built on meta)."""
+    cls = type(model).__name__
+    raw = model.config.to_dict()
+    fam = layout.family_for_model_type(raw.get("model_type"))
+    if fam is None:
+        raise ModelLoadError(
+            f"{origin} returned {cls} (model_type {raw.get('model_type')!r}), a transformers model of a family Opus "
+            f"cannot load into its own decoder, which every stage drives; supported: {', '.join(sorted(FAMILIES))}")
+    if not any(c.__name__ == fam.hf_architecture for c in type(model).__mro__):
+        raise ModelLoadError(f"{origin} returned {cls}, not a {fam.hf_architecture}: Opus needs the causal LM "
+                             "(with its lm_head)")
+    try:
+        return config_from_hf(raw)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{origin} returned {cls}: {e}") from None
+    except (KeyError, TypeError, ValueError, ArithmeticError) as e:
+        raise ModelLoadError(f"{origin} returned {cls} with an implausible config: {e!r}") from None
+
+
+def from_transformers(model: nn.Module, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+                      origin: str = "factory") -> DecoderLM:
+    """A transformers causal LM of a known family as Opus's decoder: its config through ``config_from_hf``
+    and its state dict through the checkpoint name mapping of opus.models.hf (fused experts unfused)."""
+    from opus.models.hf import map_hf_tensors
+
+    cfg = transformers_config(model, origin)
+    tensors = map_hf_tensors(iter(model.state_dict().items()), cfg)
+    return build_model(cfg, tensors, dtype, device, origin=f"{origin} ({type(model).__name__})")
+
+
+def check_factory(source: dict[str, Any], base_dir: Path | str = ".") -> None:
+    """What can be known of a factory before a run: it imports, its function exists and, called once on
+    the meta device (no weights allocated, the RNG untouched), a transformers model it returns is one
+    ``from_transformers`` takes. A factory that cannot run on meta (``from_pretrained``) is left to the load."""
+    spec = str(source["factory"])
+    fn = _import_factory(spec, Path(base_dir))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = fn(**dict(source.get("args") or {}))
+    except Exception:  # noqa: BLE001 - user code; the real load reports its own error
+        return
+    model = result[0] if isinstance(result, tuple) and result else result
+    if is_transformers_model(model):
+        transformers_config(model, f"factory {spec!r}")
+
+
+def _load_factory(source: dict[str, Any], base_dir: Path, dtype: str | torch.dtype,
+                  device: str | torch.device) -> tuple[nn.Module, Any | None]:
+    spec = str(source["factory"])
+    fn = _import_factory(spec, base_dir)
     result = fn(**dict(source.get("args") or {}))
     model, tokenizer = result if isinstance(result, tuple) else (result, None)
     if not isinstance(model, nn.Module):
         raise ModelLoadError(f"factory {spec!r} returned {type(model).__name__}, expected an nn.Module")
+    if is_transformers_model(model):  # its forward returns a ModelOutput and takes no Opus cache
+        return from_transformers(model, dtype, device, origin=f"factory {spec!r}"), tokenizer
     return model.to(device=device, dtype=resolve_dtype(dtype)).eval(), tokenizer

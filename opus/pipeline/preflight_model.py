@@ -7,7 +7,9 @@ checks that its header covers it exactly, which a truncated copy fails. A GGUF f
 parses, the architecture is supported, the keys the loader needs are there and transformers builds
 its tokenizer (opus.models.gguf_tokenizer). For both, the weights at the pipeline's dtype must fit
 in this machine's memory (and in the GPU's on CUDA).
-Factory models are code: nothing can be read before importing them, so they are left alone.
+A factory is code: it must import and name a function, and it is called once on the meta device (no
+weights allocated): a transformers model of a family Opus cannot load into its decoder is refused
+naming its class (opus.models.load.check_factory). Its tokenizer is known only once it runs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,18 @@ def check_model(loaded: LoadedPipeline) -> TokenizerLoader:
         return _check_hf(loaded, loaded.base_dir / spec.source()["hf"])  # a hub id: its cached snapshot
     if spec.gguf:
         return _check_gguf(loaded, loaded.base_dir / spec.gguf)
+    _check_factory(loaded)
     return lambda: UNKNOWN  # a factory: what it returns is known only once it runs
+
+
+def _check_factory(loaded: LoadedPipeline) -> None:
+    from opus.models.config import ModelLoadError
+    from opus.models.load import check_factory
+
+    try:
+        check_factory(loaded.spec.model.source(), loaded.base_dir)
+    except ModelLoadError as exc:
+        raise loaded.error(str(exc), ("model", "factory")) from None
 
 
 def _hf_config(loaded: LoadedPipeline, model_dir: Path) -> Any:

@@ -183,3 +183,19 @@ def add_vocab(w: Any, fields: dict[str, Any]) -> None:
 def make_factory_model(hidden: int = 8) -> torch.nn.Module:
     """Target of the factory-source test: any nn.Module goes."""
     return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
+
+
+def hf_factory(family: str = "llama", seed: int = 0, **overrides: Any) -> Any:
+    """Target of the transformers-factory tests: a tiny transformers causal LM (``make_hf``)."""
+    return make_hf(family, seed, **overrides)
+
+
+def gpt2_factory() -> Any:
+    """A transformers causal LM of a family Opus has no row for."""
+    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                             bos_token_id=0, eos_token_id=0))
+
+
+def llama_trunk_factory() -> Any:
+    """A known family, but the trunk without its lm_head."""
+    return tf.LlamaModel(tf.LlamaConfig(**COMMON, intermediate_size=96))

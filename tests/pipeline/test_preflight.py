@@ -171,6 +171,27 @@ def test_a_hub_id_reads_the_local_cache(project: Path, capsys: pytest.CaptureFix
     assert loaded.spec.model.source() == {"hf": str(repo / "snapshots" / "c0ffee")}
 
 
+def test_a_factory_returning_a_transformers_model_opus_cannot_load(project: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    (project / "hf_models.py").write_text(
+        "import transformers as tf\n"
+        "def gpt2():\n"
+        "    return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=50, n_embd=8, n_layer=1, n_head=2,\n"
+        "                                            bos_token_id=0, eos_token_id=0))\n"
+        "def llama():\n"
+        "    return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=50, hidden_size=8, intermediate_size=16,\n"
+        "                                              num_hidden_layers=1, num_attention_heads=2))\n")
+    edit(project / "p.yaml", "hf: model", "factory: hf_models:gpt2")
+    err = check(capsys, project / "p.yaml")
+    assert err.startswith(f"error: {project}/p.yaml:3: model.factory: factory 'hf_models:gpt2' returned "
+                          "GPT2LMHeadModel (model_type 'gpt2'), a transformers model of a family Opus cannot load")
+    edit(project / "p.yaml", "hf_models:gpt2", "hf_models:llama")
+    assert main(["check", str(project / "p.yaml")]) == 0, capsys.readouterr().err
+    edit(project / "p.yaml", "hf_models:llama", "hf_models:nothing")
+    assert "model.factory: factory 'hf_models:nothing': module 'hf_models' has no callable" in check(
+        capsys, project / "p.yaml")
+
+
 def test_truncated_safetensors(project: Path, capsys: pytest.CaptureFixture) -> None:
     weights = project / "model" / "model.safetensors"
     data = weights.read_bytes()
