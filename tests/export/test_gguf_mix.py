@@ -222,3 +222,42 @@ def test_a_model_it_cannot_write_is_not_exported_with_the_reason(k3_tokenizer, t
     outcome = export_gguf(_model("llama"), None, {}, tmp_path, _settings())
     assert not outcome.exported and "tokenizer" in outcome.reason
     assert not (tmp_path / FILE).exists() and not list((tmp_path / "gguf").glob("*.tmp"))
+
+
+@torch.no_grad()
+def test_llama_cpp_runs_the_k3_demo_model_with_a_mixed_plan(tmp_path: Path) -> None:
+    """K3 with W8A8 attention and W4A16 experts (Q8_0, Q4_K and Q5_0 tensors) runs in llama.cpp: its
+    tokenizer gives the HF ids, its logits pick Opus's next tokens, its greedy text is Opus's."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
+                                    "'opus[llama]' builds llama.cpp, ~5 min); CI has no llama.cpp")
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+
+    model, tokenizer = load_model({"hf": str(K3)})
+    text = (K3.parent / "train.py").read_text(encoding="utf-8")[:3000]
+    calibration = torch.tensor(tokenizer.encode(text)[:512]).reshape(4, 128)
+    plan = {n: "w8a8" if ".self_attn." in n else "w4a16" for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and (".self_attn." in n or ".experts." in n)}
+    quantize_model(model, plan, collect_stats(model.eval(), calibration), group_size=64)
+    outcome = export_gguf(model, tokenizer, {"recipe": []}, tmp_path, _settings())
+    assert outcome.exported, outcome.reason
+    assert set(outcome.info["tensor_types"]) == {"Q8_0", "Q4_K", "Q5_0", "F32"}
+    llm = llama_cpp.Llama(model_path=str(tmp_path / FILE), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    try:
+        prompt = "def main():\n    import os\n"
+        ids = tokenizer.encode(prompt)
+        assert llm.tokenize(prompt.encode(), add_bos=False, special=False) == ids
+        llm.eval(ids)
+        theirs = np.asarray(llm.scores[: len(ids)])
+        ours = model(torch.tensor([ids]))[0].numpy()
+        assert (theirs.argmax(-1) == ours.argmax(-1)).mean() >= 0.9
+        text = llm(prompt, max_tokens=24, temperature=0.0, top_k=1)["choices"][0]["text"]
+    finally:
+        llm.close()
+    x = torch.tensor([ids])
+    for _ in range(24):
+        x = torch.cat([x, model(x)[:, -1:].argmax(-1)], dim=1)
+    want = x[0, len(ids):].tolist()
+    got = tokenizer.encode(text)
+    same = sum(a == b for a, b in zip(got, want))
+    assert same >= 0.75 * len(want), (text, tokenizer.decode(want))
