@@ -53,6 +53,9 @@ class ModelConfig:
     moe_layers: list[bool] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # mistral / mixtral: attention sees at most this many keys. Within it, sliding-window attention is
+    # full attention, so Opus runs only contexts that fit (opus.models.decoder.window_guard refuses longer).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_experts and not self.moe_layers:
@@ -94,8 +97,6 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
     if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
         raise ModelLoadError("sliding-window attention is not supported")
-    if fam.sliding_window_key and cfg.get("sliding_window"):
-        raise ModelLoadError(f"sliding-window attention is not supported (sliding_window={cfg['sliding_window']})")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     layers = int(cfg["num_hidden_layers"])
     # Bias switches: a family reads them from its own config key, or fixes them (qwen2: q/k/v only).
@@ -120,6 +121,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
+        sliding_window=int(cfg["sliding_window"]) if fam.sliding_window_key and cfg.get("sliding_window") else None,
     )
     if fam.moe == "mixtral":
         kw.update(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),

@@ -1,4 +1,4 @@
-"""One readable decoder-only LM for every supported family (Llama, Qwen2, Qwen3, Mixtral, Qwen-MoE).
+"""One readable decoder-only LM for every supported family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE).
 
 Module names follow Hugging Face (``model.layers.N.self_attn.q_proj``, ``model.layers.N.mlp.gate``,
 ``model.layers.N.mlp.experts.E.gate_proj`` ...), so a layer name a user knows from HF means the same
@@ -33,7 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.errors import EXIT_INVALID, OpusError
 from opus.models.config import ModelConfig
+
+
+class BeyondSlidingWindow(OpusError):
+    """Attention would see more keys than the model's sliding window (Opus attends to the whole context)."""
+
+    exit_code = EXIT_INVALID
 
 
 class RMSNorm(nn.Module):
@@ -96,6 +103,21 @@ def cache_mask(cache: object | None) -> torch.Tensor | None:
 
 
 @torch.fx.wrap
+def window_guard(k: torch.Tensor, window: int) -> torch.Tensor:
+    """``k`` as it is, when attention sees no more keys than the sliding window; else an error.
+
+    Within its window sliding-window attention is plain causal attention, so a Mistral runs exactly
+    as long as every context fits; the caches, fused and exported decoders need no window mask. A
+    static cache's keys are all its slots, so it must be sized within the window too.
+    """
+    if k.shape[2] > window:
+        raise BeyondSlidingWindow(f"attention over {k.shape[2]} positions, beyond the model's sliding window of "
+                                  f"{window}: Opus does not implement sliding-window attention; keep prompt plus new "
+                                  f"tokens (and seq_len) within {window}")
+    return k
+
+
+@torch.fx.wrap
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
            mask: torch.Tensor | None = None) -> torch.Tensor:
     # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
@@ -129,6 +151,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, h, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.sliding_window = cfg.sliding_window
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: object | None = None,
                 causal: bool = True) -> torch.Tensor:
@@ -141,6 +164,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache_update(cache, self.layer_idx, k, v)
+        if self.sliding_window is not None:
+            k = window_guard(k, self.sliding_window)
         out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads, cache_mask(cache))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 

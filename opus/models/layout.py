@@ -180,7 +180,7 @@ class Family:
     qkv_bias_key: str | None = "attention_bias"
     qkv_bias: bool = False
     o_bias_key: str | None = "attention_bias"
-    sliding_window_key: bool = False  # a set "sliding_window" means it is used (no use_sliding_window flag)
+    sliding_window_key: bool = False  # a set "sliding_window" is used (no use_sliding_window flag), read as such
     gguf_norm_topk: bool = True  # llama.cpp's default for expert_weights_norm on this architecture
     gguf_permuted_qk: bool = False  # convert_hf_to_gguf permutes q/k rows (llama arch: interleaved RoPE)
 
@@ -194,6 +194,9 @@ FAMILY_TABLE: tuple[Family, ...] = (
     Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", "qwen2moe", moe="qwen", shared_expert=True,
            qkv_bias_key="qkv_bias", qkv_bias=True, o_bias_key=None, gguf_norm_topk=False),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", moe="qwen", qk_norm=True),
+    # Llama plus a sliding window; llama.cpp files Mistral GGUFs under "llama" (no window): they load as llama.
+    Family("mistral", "MistralForCausalLM", "mistral", None, qkv_bias_key=None, o_bias_key=None,
+           sliding_window_key=True),
 )
 _BY_NAME = {f.name: f for f in FAMILY_TABLE}
 # HF model_type -> Opus family name; the family decides the defaults the config.json may omit.

@@ -168,10 +168,11 @@ def from_transformers(model: nn.Module, dtype: str | torch.dtype = "float32", de
     return build_model(cfg, tensors, dtype, device, origin=f"{origin} ({type(model).__name__})")
 
 
-def check_factory(source: dict[str, Any], base_dir: Path | str = ".") -> None:
+def check_factory(source: dict[str, Any], base_dir: Path | str = ".") -> ModelConfig | None:
     """What can be known of a factory before a run: it imports, its function exists and, called once on
     the meta device (no weights allocated, the RNG untouched), a transformers model it returns is one
-    ``from_transformers`` takes. A factory that cannot run on meta (``from_pretrained``) is left to the load."""
+    ``from_transformers`` takes (its config is returned; None for anything else). A factory that cannot run
+    on meta (``from_pretrained``) is left to the load."""
     spec = str(source["factory"])
     fn = _import_factory(spec, Path(base_dir))
     try:
@@ -179,10 +180,11 @@ def check_factory(source: dict[str, Any], base_dir: Path | str = ".") -> None:
             warnings.simplefilter("ignore")
             result = fn(**dict(source.get("args") or {}))
     except Exception:  # noqa: BLE001 - user code; the real load reports its own error
-        return
+        return None
     model = result[0] if isinstance(result, tuple) and result else result
     if is_transformers_model(model):
-        transformers_config(model, f"factory {spec!r}")
+        return transformers_config(model, f"factory {spec!r}")
+    return model.config if isinstance(model, DecoderLM) else None
 
 
 def _load_factory(source: dict[str, Any], base_dir: Path, dtype: str | torch.dtype,

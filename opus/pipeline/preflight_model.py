@@ -45,9 +45,32 @@ def _check_factory(loaded: LoadedPipeline) -> None:
     from opus.models.load import check_factory
 
     try:
-        check_factory(loaded.spec.model.source(), loaded.base_dir)
+        cfg = check_factory(loaded.spec.model.source(), loaded.base_dir)
     except ModelLoadError as exc:
         raise loaded.error(str(exc), ("model", "factory")) from None
+    if cfg is not None:
+        _check_window(loaded, cfg)
+
+
+def _check_window(loaded: LoadedPipeline, cfg: Any) -> None:
+    """A model with a sliding window (Mistral) runs only contexts within it (opus.models.decoder.window_guard):
+    the workload's prompt plus new tokens and each text set's seq_len must fit, or the run fails in its
+    first stage. Stages with lengths of their own are caught by the guard itself."""
+    window = cfg.sliding_window
+    if not window:
+        return
+    spec = loaded.spec
+    lengths = [(("workload", "input_len"), spec.workload.input_len + spec.workload.output_len,
+                f"input_len + output_len ({spec.workload.input_len} + {spec.workload.output_len})")]
+    for name in ("calibration", "evaluation"):
+        text_set = getattr(spec.data, name)
+        if text_set is not None:
+            lengths.append((("data", name, "seq_len"), text_set.seq_len, "seq_len"))
+    for loc, length, what in lengths:
+        if length > window:
+            raise loaded.error(f"{what} = {length} tokens, beyond the model's sliding window of {window}: Opus "
+                               f"does not implement sliding-window attention and runs only contexts within it",
+                               loc)
 
 
 def _hf_config(loaded: LoadedPipeline, model_dir: Path) -> Any:
@@ -102,7 +125,7 @@ def _check_hf(loaded: LoadedPipeline, model_dir: Path) -> TokenizerLoader:
     from opus.models import hf
     from opus.models.config import ModelLoadError
 
-    _hf_config(loaded, model_dir)
+    _check_window(loaded, _hf_config(loaded, model_dir))
     try:
         files = hf.weight_files(model_dir)
     except ModelLoadError as exc:

@@ -36,6 +36,8 @@ FAMILY_CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
                   dict(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
                        norm_topk_prob=True)),
+    # A window longer than the parity tests' 12 tokens: Opus runs Mistral within its window only.
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(intermediate_size=96, sliding_window=16)),
 }
 
 
@@ -77,7 +79,8 @@ def hf_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- GGUF writing, llama.cpp style
-GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+# llama.cpp's converter files Mistral under "llama" (permuted q/k, the sliding window dropped).
+GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 
 
@@ -138,9 +141,9 @@ def write_gguf(model: Any, family: str, path: Path, qtype: str = "F32", tokenize
         add_vocab(w, tokenizer if isinstance(tokenizer, dict) else byte_level_fields(tokenizer))
     for name, t in hf_state_for_gguf(model).items():
         t = t.detach().float()
-        if family in ("llama", "mixtral") and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             t = llama_cpp_permute(t, c.num_attention_heads, c.num_attention_heads)
-        if family in ("llama", "mixtral") and name.endswith(("k_proj.weight", "k_proj.bias")):
+        if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             t = llama_cpp_permute(t, c.num_attention_heads, c.num_key_value_heads)
         new = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         assert new is not None, f"no GGUF name for {name}"

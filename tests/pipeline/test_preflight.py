@@ -132,7 +132,7 @@ def test_unsupported_model_type_lists_the_families(project: Path, capsys: pytest
     edit(project / "model" / "config.json", '"model_type": "llama"', '"model_type": "gpt2"')
     err = check(capsys, project / "p.yaml")
     assert err.endswith(f"p.yaml:3: model.hf: {project}/model/config.json: unsupported model_type 'gpt2'; "
-                        "supported: llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe")
+                        "supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe")
 
 
 def test_config_json_missing_broken_or_implausible(project: Path, capsys: pytest.CaptureFixture) -> None:
@@ -190,6 +190,23 @@ def test_a_factory_returning_a_transformers_model_opus_cannot_load(project: Path
     edit(project / "p.yaml", "hf_models:llama", "hf_models:nothing")
     assert "model.factory: factory 'hf_models:nothing': module 'hf_models' has no callable" in check(
         capsys, project / "p.yaml")
+
+
+def test_contexts_beyond_a_sliding_window(project: Path, capsys: pytest.CaptureFixture) -> None:
+    config = project / "model" / "config.json"
+    raw = json.loads(config.read_text())
+    config.write_text(json.dumps({**raw, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+                                  "sliding_window": 600}))
+    err = check(capsys, project / "p.yaml")  # the default workload: 512 + 128 tokens
+    assert err.endswith("workload.input_len: input_len + output_len (512 + 128) = 640 tokens, beyond the model's "
+                        "sliding window of 600: Opus does not implement sliding-window attention and runs only "
+                        "contexts within it")
+    edit(project / "p.yaml", "stages:", "workload: {input_len: 16, output_len: 4}\nstages:")
+    config.write_text(json.dumps({**raw, "model_type": "mistral", "sliding_window": 24}))
+    assert "p.yaml:6: data.evaluation.seq_len: seq_len = 32 tokens, beyond the model's sliding window of 24" in (
+        check(capsys, project / "p.yaml"))
+    config.write_text(json.dumps({**raw, "model_type": "mistral", "sliding_window": 32}))
+    assert main(["check", str(project / "p.yaml")]) == 0, capsys.readouterr().err
 
 
 def test_truncated_safetensors(project: Path, capsys: pytest.CaptureFixture) -> None:
