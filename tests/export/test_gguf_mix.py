@@ -261,3 +261,34 @@ def test_llama_cpp_runs_the_k3_demo_model_with_a_mixed_plan(tmp_path: Path) -> N
     got = tokenizer.encode(text)
     same = sum(a == b for a, b in zip(got, want))
     assert same >= 0.75 * len(want), (text, tokenizer.decode(want))
+
+
+def test_a_sentencepiece_style_tokenizer_is_written_as_llama_vocabulary(tmp_path: Path) -> None:
+    """A BPE with byte fallback (Llama 2 / Mistral style) is tokenizer.ggml.model 'llama' with scores from
+    its merge order: transformers (and llama.cpp, when installed) give the source's ids, bytes included."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    lines = (K3.parent / "train.py").read_text(encoding="utf-8").splitlines()
+    backend.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=700, special_tokens=specials))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    source = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    cfg = ModelConfig(family="llama", vocab_size=768, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32, bos_token_id=1, eos_token_id=2)
+    outcome = export_gguf(DecoderLM(cfg).eval(), source, {}, tmp_path, _settings())
+    assert outcome.exported, outcome.reason
+    vocab = outcome.info["tokenizer"]
+    assert (vocab["model"], vocab["padding"], vocab["roundtrip"]) == ("llama", 68, "same ids as the source tokenizer")
+    texts = [*TEXTS, "caf\u00e9 \u2603"]  # the snowman is not in the vocabulary: byte fallback
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / FILE), n_ctx=64, verbose=False)
+    try:
+        for text in texts:
+            assert llm.tokenize(text.encode(), add_bos=True, special=False) == source.encode(text), text
+    finally:
+        llm.close()
