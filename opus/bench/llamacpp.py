@@ -236,10 +236,41 @@ def user_gguf(ctx: BenchContext) -> Built:
     return _load(ctx, path, [f"GGUF given: {path}"])
 
 
+def planned_mix(ctx: BenchContext) -> Built:
+    """The Opus run's final model as a GGUF with the plan's mix (``opus.export.gguf_mix``), in llama.cpp."""
+    _require_llama()
+    if ctx.checkpoint is None:
+        raise Unavailable(ctx.no_run_reason or "no Opus run given")
+    from opus.export.gguf_mix import export_gguf
+    from opus.export.native import ExportSettings
+    from opus.pipeline.state import materialize
+
+    loaded = materialize(ctx.checkpoint, ctx.spec, ctx.base_dir)
+    out = ctx.work_dir / "llama-plan"
+    outcome = export_gguf(loaded.model, loaded.tokenizer or ctx.tokenizer, loaded.state, out,
+                          ExportSettings(source=ctx.source, base_dir=ctx.base_dir))
+    del loaded
+    if not outcome.exported:
+        raise Unavailable(f"the run's final model has no GGUF form: {outcome.reason}")
+    mix = ", ".join(f"{kind} {share:.0%}" for kind, share in outcome.info["tensor_type_mix"].items())
+    notes = [f"GGUF of the final model of {ctx.checkpoint.parent.parent.name} (checkpoint {ctx.checkpoint.name}) "
+             f"written by opus.export.gguf_mix: {mix} of the weights; layers: "
+             + ", ".join(f"{k} ×{n}" for k, n in outcome.info["layer_formats"].items())]
+    if outcome.layers_not_as_planned:
+        notes.append(f"{len(outcome.layers_not_as_planned)} layers not in their planned type, e.g. "
+                     + "; ".join(f"{k}: {v}" for k, v in list(outcome.layers_not_as_planned.items())[:2]))
+    return _load(ctx, out / str(outcome.path), notes)
+
+
+PLANNED = Contender("llama-plan", "llama.cpp on the run's plan as GGUF (each layer in its format's type)",
+                    "llama.cpp", planned_mix)
+
+
 def contenders(user_file: bool) -> tuple[Contender, ...]:
-    """The user's GGUF (--gguf, or a gguf model source), else F16 and Q8_0 made by llama.cpp's converter."""
+    """The user's GGUF (--gguf, or a gguf model source), else F16 and Q8_0 made by llama.cpp's converter;
+    then the run's final model written with the plan's mix (``llama-plan``)."""
     if user_file:
-        return (Contender("llama-gguf", "llama.cpp on the given GGUF", "llama.cpp", user_gguf),)
+        return (Contender("llama-gguf", "llama.cpp on the given GGUF", "llama.cpp", user_gguf), PLANNED)
     return (Contender("llama-f16", "llama.cpp F16 GGUF", "llama.cpp", _converted("f16")),
-            Contender("llama-q8_0", "llama.cpp Q8_0 GGUF", "llama.cpp", _converted("q8_0")))
+            Contender("llama-q8_0", "llama.cpp Q8_0 GGUF", "llama.cpp", _converted("q8_0")), PLANNED)
 

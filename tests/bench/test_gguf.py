@@ -84,3 +84,30 @@ def test_llama_cpp_end_to_end(tmp_path, capsys, monkeypatch) -> None:
         assert any("HF tokenizer's ids" in note for note in row["notes"]), row["notes"]
         assert row["ratios"]["perplexity"] == pytest.approx(1.0, abs=0.05)
         assert row["metrics"]["agreement"] >= 0.75
+
+
+def test_llama_plan_runs_the_run_s_final_model_as_gguf(tmp_path, capsys) -> None:
+    """``llama-plan``: the run's final model written by opus.export.gguf_mix, measured in llama.cpp (a run
+    with no quantize stage here: every matrix F32, so llama.cpp must match the fp32 baseline)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'opus[llama]')")
+    from opus.atomic import write_json
+    from opus.kv.cache import kv_cache_step
+
+    pipeline = make_project(tmp_path)
+    run = tmp_path / "runs" / "tinybench-1"
+    stage = run / "stages" / "01-kv"
+    stage.mkdir(parents=True)
+    write_json(run / "run.json", {"run_id": run.name, "base_dir": str(pipeline.parent), "name": "tinybench",
+                                  "starts": [1.0], "pipeline": str(pipeline)})
+    (run / "pipeline.yaml").write_text(pipeline.read_text())
+    write_json(stage / "state.json", {"source": {"hf": "model"}, "recipe": [kv_cache_step({"kind": "growing"})],
+                                      "tensors": None, "aliases": {}})
+    write_json(run / "summary.json", {"status": "finished", "stages": [
+        {"id": "kv", "status": "done", "dir": str(stage), "metrics": {}}]})
+    assert main(["bench", str(run), "--only", "llama-plan", "--format", "json", "--quiet"]) == 0
+    row = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["llama-plan"]
+    assert row["status"] == "ok", row["reason"]
+    assert "opus.export.gguf_mix: F32 100% of the weights" in row["notes"][0]
+    assert any("HF tokenizer's ids" in note for note in row["notes"]), row["notes"]
+    assert row["ratios"]["perplexity"] == pytest.approx(1.0, abs=0.01)
+    assert row["metrics"]["agreement"] >= 0.75
