@@ -157,8 +157,8 @@ def _collect(model: nn.Module, cfg: Any, fam: layout.Family) -> _Tensors:
     embedding = model.get_submodule(_D.embedding).weight
     for name, layer in found.items():
         if name == _D.lm_head:
-            if layer.module.weight.data_ptr() == embedding.data_ptr() and layer.fmt in FORMATS \
-                    and FORMATS[layer.fmt].is_noop:
+            own = getattr(layer.module, "weight", None)  # a quantized lm_head (its own int8 copy) has none
+            if isinstance(own, torch.Tensor) and own.data_ptr() == embedding.data_ptr():
                 continue  # tied: llama.cpp reads token_embd when output.weight is absent
             out.add_matrix(_TOP_OF[f"{name}.weight"], [layer], layer.weight.cpu().numpy())
             continue

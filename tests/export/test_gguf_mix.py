@@ -30,12 +30,12 @@ EXPECTED = {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output":
             "attn_norm": "F32", "ffn_norm": "F32", "output_norm": "F32", "token_embd": "F32", "output": "F32"}
 
 
-def _model(family: str) -> DecoderLM:
+def _model(family: str, tie: bool | None = None) -> DecoderLM:
     moe = family == "mixtral"
     cfg = ModelConfig(family=family, vocab_size=4096, hidden_size=256, intermediate_size=512, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=64, num_experts=4 if moe else 0, top_k=2 if moe else 0,
-                      moe_intermediate_size=192 if moe else 0, tie_word_embeddings=moe, bos_token_id=0,
-                      eos_token_id=0)
+                      moe_intermediate_size=192 if moe else 0, tie_word_embeddings=moe if tie is None else tie,
+                      bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = DecoderLM(cfg)
     with torch.no_grad():
@@ -176,6 +176,25 @@ def test_loads_in_transformers_with_the_source_tokenizer(exported, k3_tokenizer,
     loaded, _ = load_model({"gguf": str(path)})
     ids = _data()
     assert torch.allclose(hf(ids).logits, loaded(ids), atol=1e-4)
+
+
+@torch.no_grad()
+def test_a_tied_lm_head_quantized_on_its_own_is_written_as_output(k3_tokenizer, tmp_path: Path) -> None:  # noqa: ANN001
+    """The plan may give a tied lm_head its own int8 copy (K3's demo plan does): the file then has an
+    output.weight in Q8_0 beside the F32 embedding, and loads back untied."""
+    from opus.quant.apply import quantize_model
+
+    model = _model("llama", tie=True)
+    ref = model(_data())
+    quantize_model(model, {"lm_head": "w8a8"}, None)
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the embedding stays as it was
+    outcome = export_gguf(model, k3_tokenizer, {}, tmp_path, _settings())
+    assert outcome.exported, outcome.reason
+    types = _types(tmp_path / FILE)
+    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "F32"
+    loaded, _ = load_model({"gguf": str(tmp_path / FILE)})
+    assert not loaded.config.tie_word_embeddings
+    assert torch.allclose(loaded(_data()), ref, atol=0.05 * ref.abs().max().item())
 
 
 def test_q4_k_blocks_read_back_exactly_by_gguf_py() -> None:
