@@ -18,6 +18,7 @@ from opus.export.gguf_q4k import quantize_q4_k  # noqa: E402
 from opus.export.native import ExportSettings  # noqa: E402
 from opus.export.unfused import layers  # noqa: E402
 from opus.models import DecoderLM, ModelConfig, load_model  # noqa: E402
+from opus.models.layout import FAMILY_TABLE  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 K3 = Path(__file__).resolve().parents[2] / "examples" / "k3" / "model"
@@ -195,6 +196,40 @@ def test_a_tied_lm_head_quantized_on_its_own_is_written_as_output(k3_tokenizer, 
     loaded, _ = load_model({"gguf": str(tmp_path / FILE)})
     assert not loaded.config.tie_word_embeddings
     assert torch.allclose(loaded(_data()), ref, atol=0.05 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILY_TABLE if f.gguf_arch])
+@torch.no_grad()
+def test_every_family_with_a_llama_cpp_architecture_round_trips(k3_tokenizer, tmp_path: Path, family: str) -> None:  # noqa: ANN001
+    """A float model of each family (biases, q/k norms, shared experts, permuted q/k) comes back exactly
+    through Opus's GGUF loader, and — when installed — llama.cpp computes its logits."""
+    from opus.models.layout import family as family_of
+
+    fam = family_of(family)
+    moe = bool(fam.moe)
+    cfg = ModelConfig(family=family, vocab_size=4096, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4 if moe else 0, top_k=2 if moe else 0,
+                      moe_intermediate_size=32 if moe else 0, qkv_bias=fam.qkv_bias, qk_norm=fam.qk_norm,
+                      shared_expert_intermediate_size=64 if fam.shared_expert else 0,
+                      norm_topk_prob=fam.gguf_norm_topk, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval()
+    for name, p in model.named_parameters():
+        p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.15 * torch.randn_like(p))
+    outcome = export_gguf(model, k3_tokenizer, {}, tmp_path, _settings())
+    assert outcome.exported, outcome.reason
+    ids = k3_tokenizer.encode(TEXTS[0])
+    want = model(torch.tensor([ids]))[0]
+    loaded, _ = load_model({"gguf": str(tmp_path / FILE)})
+    assert torch.equal(loaded(torch.tensor([ids]))[0], want)
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / FILE), n_ctx=64, logits_all=True, verbose=False)
+    try:
+        llm.eval(ids)
+        got = torch.from_numpy(np.asarray(llm.scores[: len(ids)]))
+    finally:
+        llm.close()
+    assert (got - want).abs().max().item() < 0.01 * want.abs().max().item()  # llama.cpp's f16 KV cache
 
 
 def test_q4_k_blocks_read_back_exactly_by_gguf_py() -> None:
