@@ -39,25 +39,27 @@ def looks_like_hub_id(value: str) -> bool:
             and not any(part.endswith((".", "-")) for part in value.split("/")))
 
 
-def cached_snapshot(repo_id: str, cache_dir: Path | None = None) -> Path | None:
-    """The cached snapshot directory of model ``repo_id`` (its ``main`` revision), or None."""
+def cached_snapshot(repo_id: str, cache_dir: Path | None = None, repo_type: str = "model") -> Path | None:
+    """The cached snapshot directory of ``repo_id`` (a model, or a ``dataset``; its ``main`` revision), or None."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        found = snapshot_download(repo_id, cache_dir=str(cache_dir or hub_cache_dir()), local_files_only=True)
+        found = snapshot_download(repo_id, repo_type=repo_type, cache_dir=str(cache_dir or hub_cache_dir()),
+                                  local_files_only=True)
     except (LocalEntryNotFoundError, HFValidationError, OSError):
         return None
     path = Path(str(found))
     return path if path.is_dir() else None
 
 
-def not_cached(repo_id: str, local: Path, cache_dir: Path | None = None) -> str:
+def not_cached(repo_id: str, local: Path, cache_dir: Path | None = None, repo_type: str = "model") -> str:
     """The one line said when ``repo_id`` is neither a directory nor in the cache."""
     cache = cache_dir or hub_cache_dir()
+    kind, flag = ("models", "") if repo_type == "model" else (f"{repo_type}s", f" --repo-type {repo_type}")
     return (f"{repo_id!r} is not a directory ({local}) and not in the Hugging Face cache {cache} "
-            f"(no models--{repo_id.replace('/', '--')}/snapshots there); Opus never downloads: download it "
-            f"there first (hf download {repo_id}) or set HF_HUB_CACHE / HF_HOME to the cache that holds it")
+            f"(no {kind}--{repo_id.replace('/', '--')}/snapshots there); Opus never downloads: download it "
+            f"there first (hf download {repo_id}{flag}) or set HF_HUB_CACHE / HF_HOME to the cache that holds it")
 
 
 def resolve_hf_dir(value: str | Path, base_dir: Path | str = ".") -> Path:

@@ -62,6 +62,11 @@ def fingerprint_text_set(text_set: Any, base_dir: Path) -> str | None:
         paths = [Path(p) for pattern in text_set.files
                  for p in glob.glob(str(base_dir / pattern), recursive=True)]
     else:
-        paths = [base_dir / text_set.dataset]
+        from opus.runtime.data import DataError, resolve_dataset
+
+        try:  # a hub dataset id: its cached snapshot's files
+            paths = [resolve_dataset(text_set.dataset, base_dir)]
+        except DataError:
+            paths = [base_dir / text_set.dataset]
     declared = json.dumps(text_set.model_dump(mode="json"), sort_keys=True)
     return hashlib.sha256((declared + fingerprint_paths(paths)).encode()).hexdigest()

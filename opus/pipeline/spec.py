@@ -43,9 +43,10 @@ class ModelSpec(Strict):
 
 
 class TextSetSpec(Strict):
-    """Text declared once for any model: files/globs or a dataset saved with ``save_to_disk``."""
+    """Text declared once for any model: files/globs or a dataset (opus.runtime.data reads both)."""
 
     files: list[str] | None = None
+    # A save_to_disk directory, a directory of data files (or one file), or a hub dataset id in the local cache.
     dataset: str | None = None
     split: str | None = None  # the split of a DatasetDict (needed when it holds more than one)
     text_column: str = "text"
@@ -226,9 +227,13 @@ def _check_paths(loaded: LoadedPipeline) -> None:
         text_set = getattr(spec.data, set_name)
         if text_set is None:
             continue
-        if text_set.dataset and not (base / text_set.dataset).exists():
-            raise loaded.error(f"dataset directory does not exist: {base / text_set.dataset}",
-                               ("data", set_name, "dataset"))
+        if text_set.dataset and not (base / text_set.dataset).exists():  # else a hub dataset id, if cached
+            from opus.runtime.data import DataError, resolve_dataset
+
+            try:
+                resolve_dataset(text_set.dataset, base)
+            except DataError as exc:
+                raise loaded.error(str(exc), ("data", set_name, "dataset")) from None
         for index, pattern in enumerate(text_set.files or []):
             if not glob.glob(str(base / pattern), recursive=True):
                 raise loaded.error(f"no file matches '{pattern}' (relative to {base})",

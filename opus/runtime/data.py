@@ -2,15 +2,24 @@
 
 A text set (``opus.pipeline.spec.TextSetSpec``) is either files/globs relative to the pipeline's directory
 (each file one document; ``.jsonl`` files one JSON object per line, text in ``text_column``) or a
-``datasets`` dataset saved with ``save_to_disk`` (of a DatasetDict, the one named by ``split``).
+``dataset:``, one of (of several splits, the one named by ``split``; the text in ``text_column``):
+
+- a directory written by ``datasets``' ``save_to_disk`` (``load_from_disk``);
+- a directory of data files, or one data file: parquet, json / jsonl, csv or txt (each .txt file one
+  document), read by ``datasets.load_dataset(<builder>, data_files=...)`` with the splits ``datasets``
+  infers from the file names (``train-*.parquet``, ``data/test/...``; else all files are ``train``);
+- a Hugging Face dataset id (``org/name``, or ``name``) in the local hub cache (opus.models.hub;
+  ``datasets--org--name/snapshots/<commit>``, what ``hf download --repo-type dataset`` fills), read as a
+  directory of data files. Nothing is downloaded: one absent from the cache is one line naming the cache.
 Files must be UTF-8 text: a NUL byte marks a binary file, and a set without any text is refused.
 Documents are tokenized with the model's own tokenizer (a ``tokenizers.Tokenizer`` or a
 transformers tokenizer), joined with the end-of-text token when the tokenizer has one, cut into
 non-overlapping ``seq_len`` blocks, and ``samples`` blocks are drawn with a seeded
 ``random.Random`` (stable across Python and torch versions).
 
-Everything stays in memory: nothing is written to the ``datasets`` cache in the home directory and
-nothing needs the network. Fingerprints for stage keys: ``opus.pipeline.fingerprint.fingerprint_text_set``.
+Everything stays in memory: nothing is written to the ``datasets`` cache in the home directory (data
+files are prepared in a temporary cache, removed once their text is read) and nothing needs the
+network. Fingerprints for stage keys: ``opus.pipeline.fingerprint.fingerprint_text_set``.
 """
 
 from __future__ import annotations
@@ -18,6 +27,10 @@ from __future__ import annotations
 import glob
 import json
 import random
+import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,24 +111,101 @@ def _dataset_split(loaded: Any, text_set: TextSetSpec, path: Path) -> Any:
                             key="split")
         return loaded[text_set.split]
     if len(splits) != 1:
-        raise DataError(f"dataset {path} holds splits {', '.join(splits)}; name one with split: {splits[0]} "
-                        f"(or point dataset at {text_set.dataset}/{splits[0]})", key="dataset")
+        also = f" (or point dataset at {text_set.dataset}/{splits[0]})" if _is_saved(path / splits[0]) else ""
+        raise DataError(f"dataset {path} holds splits {', '.join(splits)}; name one with split: {splits[0]}{also}",
+                        key="dataset")
     return loaded[splits[0]]
 
 
-def _dataset_texts(text_set: TextSetSpec, base_dir: Path) -> list[str]:
+# Data-file suffix -> the ``datasets`` builder that reads it.
+BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
+# Files a dataset repository holds beside its data: never data, whatever their suffix.
+_NOT_DATA = {"dataset_infos.json", "dataset_info.json", "dataset_dict.json", "state.json"}
+_DATASET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def resolve_dataset(value: str, base_dir: Path) -> Path:
+    """The path a ``dataset:`` value means: a path relative to ``base_dir`` when it exists, else a hub
+    dataset id's snapshot in the local Hugging Face cache; neither is a DataError naming both."""
+    from opus.models.hub import cached_snapshot, looks_like_hub_id, not_cached
+
+    local = Path(base_dir) / Path(value).expanduser()
+    if local.exists():
+        return local
+    if not (looks_like_hub_id(value) or _DATASET_NAME.fullmatch(value)):
+        raise DataError(f"dataset {local} does not exist", key="dataset")
+    snapshot = cached_snapshot(value, repo_type="dataset")
+    if snapshot is None:
+        raise DataError(not_cached(value, local, repo_type="dataset"), key="dataset")
+    return snapshot
+
+
+def _is_saved(path: Path) -> bool:
+    """A directory ``save_to_disk`` wrote: a Dataset's state.json or a DatasetDict's dataset_dict.json."""
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _data_files(path: Path) -> tuple[str, dict[str, list[str]]]:
+    """The builder and the split -> files of a data file, or of a directory of them (splits as ``datasets``
+    infers them from the names, each kept to the files of the one builder)."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    if path.is_file():
+        if path.suffix not in BUILDERS:
+            raise DataError(f"dataset {path}: not a data file ({', '.join(BUILDERS)})", key="dataset")
+        return BUILDERS[path.suffix], {"train": [str(path)]}
+    found = [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in BUILDERS and p.name not in _NOT_DATA
+             and not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    kinds = sorted({BUILDERS[p.suffix] for p in found})
+    if not kinds:
+        raise DataError(f"dataset {path}: neither a dataset saved with save_to_disk nor a directory of data files "
+                        f"({', '.join(BUILDERS)})", key="dataset")
+    if len(kinds) > 1:
+        raise DataError(f"dataset {path} mixes {' and '.join(kinds)} files; point dataset at the directory (or file) "
+                        "of one kind", key="dataset")
+    keep = {str(p.resolve()) for p in found}
+    inferred = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    splits = {str(split): [f for f in files if str(Path(f).resolve()) in keep] for split, files in inferred.items()}
+    return kinds[0], {split: files for split, files in splits.items() if files} or {"train": sorted(keep)}
+
+
+@contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """The Dataset or DatasetDict at ``path``; data files are prepared in a temporary cache."""
     import datasets
 
-    path = base_dir / str(text_set.dataset)
+    if _is_saved(path):
+        try:
+            saved = datasets.load_from_disk(str(path))
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot load dataset {path}: {exc}", key="dataset") from None
+        yield saved
+        return
+    builder, files = _data_files(path)
+    options = {"sample_by": "document"} if builder == "text" else {}  # one .txt file, one document (as files:)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
-        loaded = datasets.load_from_disk(str(path))
-    except (OSError, ValueError, FileNotFoundError) as exc:
-        raise DataError(f"cannot load dataset {path}: {exc}", key="dataset") from None
-    loaded = _dataset_split(loaded, text_set, path)
-    if text_set.text_column not in loaded.column_names:
-        raise DataError(f"dataset {path} has no column '{text_set.text_column}' "
-                        f"(columns: {', '.join(loaded.column_names)}); set text_column", key="text_column")
-    return [str(t) for t in loaded[text_set.text_column] if t is not None]
+        with tempfile.TemporaryDirectory(prefix="opus-datasets-") as cache:
+            try:
+                loaded = datasets.load_dataset(builder, data_files=files, cache_dir=cache, **options)
+            except Exception as exc:  # noqa: BLE001 - pyarrow and the builders raise anything
+                raise DataError(f"cannot read dataset {path} as {builder} files: {type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0] if str(exc) else ''}", key="dataset") from None
+            yield loaded
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _dataset_texts(text_set: TextSetSpec, base_dir: Path) -> list[str]:
+    path = resolve_dataset(str(text_set.dataset), base_dir)
+    with _opened(path) as loaded:
+        dataset = _dataset_split(loaded, text_set, path)
+        if text_set.text_column not in dataset.column_names:
+            raise DataError(f"dataset {path} has no column '{text_set.text_column}' "
+                            f"(columns: {', '.join(dataset.column_names)}); set text_column", key="text_column")
+        return [str(t) for t in dataset[text_set.text_column] if t is not None]
 
 
 def documents(text_set: TextSetSpec, base_dir: Path) -> tuple[list[str], str]:

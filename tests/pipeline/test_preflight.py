@@ -264,6 +264,27 @@ def test_binary_and_empty_evaluation_files(project: Path, capsys: pytest.Capture
     assert check(capsys, path).endswith(f"p.yaml:6: data.evaluation.files: {project}/held.txt: no text (empty)")
 
 
+def test_datasets_of_data_files_and_from_the_hub_cache(project: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(project / "hub"))
+    texts = [(project / "data" / f"part{i}.txt").read_text() for i in range(2)]
+    (project / "parquet").mkdir()
+    datasets.Dataset.from_dict({"body": texts}).to_parquet(str(project / "parquet" / "train.parquet"))
+    capsys.readouterr()  # datasets' own progress bar
+    path = edit(project / "p.yaml", 'files: ["data/*.txt"]', "dataset: parquet, text_column: body")
+    assert main(["check", str(path)]) == 0, capsys.readouterr().err
+    edit(path, "dataset: parquet, text_column: body", "dataset: some-org/absent")
+    err = check(capsys, path)
+    assert err.startswith(f"error: {path}:6: data.evaluation.dataset: 'some-org/absent' is not a directory "
+                          f"({project}/some-org/absent) and not in the Hugging Face cache {project}/hub")
+    assert err.endswith("(hf download some-org/absent --repo-type dataset) or set HF_HUB_CACHE / HF_HOME to the "
+                        "cache that holds it")
+    edit(path, "dataset: some-org/absent", "dataset: ./absent")
+    assert check(capsys, path).endswith(f"data.evaluation.dataset: dataset {project}/absent does not exist")
+
+
 def test_too_little_text_for_the_samples(project: Path, capsys: pytest.CaptureFixture) -> None:
     err = check(capsys, project / "p.yaml", "--set", "data.evaluation.samples=20")
     assert err.startswith("error: --set: data.evaluation.samples: ")

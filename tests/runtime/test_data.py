@@ -154,3 +154,84 @@ def test_random_blocks_are_seeded() -> None:
     assert a.shape == (3, 8) and int(a.max()) < 50
     assert torch.equal(a, random_blocks(3, 8, 50, seed=4))
     assert not torch.equal(a, random_blocks(3, 8, 50, seed=5))
+
+
+# -- dataset: data files and the hub cache ----------------------------------------------------------
+def test_a_directory_of_txt_files_is_the_same_text_as_the_files(corpus, monkeypatch) -> None:
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", corpus / "home-cache")
+    tok = word_tokenizer()
+    expected = load_blocks(spec(), tok, corpus)
+    assert torch.equal(load_blocks(TextSetSpec(dataset="data", samples=4, seq_len=16), tok, corpus), expected)
+    assert not (corpus / "home-cache").exists()  # prepared in a temporary cache, not the user's
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl", "csv"])
+def test_data_files_with_splits_inferred_from_their_names(corpus, kind) -> None:
+    import datasets
+
+    train = datasets.Dataset.from_dict({"body": [doc(i) for i in range(3)], "n": [0, 1, 2]})
+    test = datasets.Dataset.from_dict({"body": [doc(7)], "n": [7]})
+    root = corpus / "files"
+    (root / "data").mkdir(parents=True)
+    for name, part in (("train", train), ("test", test)):
+        target = str(root / "data" / f"{name}-00000-of-00001.{kind}")
+        {"parquet": part.to_parquet, "jsonl": part.to_json, "csv": part.to_csv}[kind](target)
+    (root / "README.md").write_text("# a dataset card, not data\n")
+    tok = word_tokenizer()
+    with pytest.raises(DataError, match=r"holds splits train, test; name one with split: train$") as info:
+        load_blocks(TextSetSpec(dataset="files", text_column="body"), tok, corpus)
+    assert info.value.key == "dataset"
+    got = load_blocks(TextSetSpec(dataset="files", split="train", text_column="body", samples=4, seq_len=16), tok,
+                      corpus)
+    assert torch.equal(got, load_blocks(spec(), tok, corpus))
+    with pytest.raises(DataError, match="no split 'validation'"):
+        load_blocks(TextSetSpec(dataset="files", split="validation", text_column="body"), tok, corpus)
+    with pytest.raises(DataError, match="no column 'text'.*columns: body, n") as info:
+        load_blocks(TextSetSpec(dataset="files", split="test"), tok, corpus)
+    assert info.value.key == "text_column"
+    one = TextSetSpec(dataset=f"files/data/train-00000-of-00001.{kind}", text_column="body", samples=4, seq_len=16)
+    assert torch.equal(load_blocks(one, tok, corpus), got)  # one data file: its only split
+
+
+def test_data_file_directories_that_cannot_be_read(corpus) -> None:
+    (corpus / "mixed").mkdir()
+    (corpus / "mixed" / "a.csv").write_text("text\nw1 w2\n")
+    (corpus / "mixed" / "b.txt").write_text("w1 w2")
+    with pytest.raises(DataError, match="mixes csv and text files; point dataset at") as info:
+        load_blocks(TextSetSpec(dataset="mixed"), word_tokenizer(), corpus)
+    assert info.value.key == "dataset" and "\n" not in str(info.value)
+    (corpus / "nothing").mkdir()
+    (corpus / "nothing" / "notes.md").write_text("no data here")
+    with pytest.raises(DataError, match="neither a dataset saved with save_to_disk nor a directory of data files"):
+        load_blocks(TextSetSpec(dataset="nothing"), word_tokenizer(), corpus)
+    (corpus / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(DataError, match=r"cannot read dataset .*broken\.parquet as parquet files: ") as info:
+        load_blocks(TextSetSpec(dataset="broken.parquet"), word_tokenizer(), corpus)
+    assert "\n" not in str(info.value)
+
+
+def test_a_hub_dataset_is_read_from_the_local_cache(corpus, monkeypatch) -> None:
+    import datasets
+
+    cache = corpus / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(DataError) as info:
+        load_blocks(TextSetSpec(dataset="some-org/corpus"), word_tokenizer(), corpus)
+    assert info.value.key == "dataset" and str(cache) in str(info.value) and "\n" not in str(info.value)
+    assert "hf download some-org/corpus --repo-type dataset" in str(info.value)
+    repo = cache / "datasets--some-org--corpus"
+    (repo / "snapshots" / "c0ffee" / "data").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    (repo / "snapshots" / "c0ffee" / ".gitattributes").write_text("*.parquet filter=lfs\n")
+    datasets.Dataset.from_dict({"text": [doc(i) for i in range(3)]}).to_parquet(
+        str(repo / "snapshots" / "c0ffee" / "data" / "train-00000-of-00001.parquet"))
+    tok = word_tokenizer()
+    hub = TextSetSpec(dataset="some-org/corpus", samples=4, seq_len=16)
+    assert torch.equal(load_blocks(hub, tok, corpus), load_blocks(spec(), tok, corpus))
+    before = fingerprint_text_set(hub, corpus)
+    datasets.Dataset.from_dict({"text": [doc(9)]}).to_parquet(
+        str(repo / "snapshots" / "c0ffee" / "data" / "train-00000-of-00001.parquet"))
+    assert fingerprint_text_set(hub, corpus) != before  # the snapshot's content is in the stage keys
