@@ -227,7 +227,10 @@ def _metadata(writer: Any, cfg: Any, fam: layout.Family, settings: ExportSetting
     source = settings.source
     name = next((Path(str(source[k])).stem for k in ("hf", "gguf") if k in source), None) or cfg.family
     writer.add_name(f"{name} (Opus plan)")
-    writer.add_context_length(cfg.max_position_embeddings)
+    # A sliding window is plain causal attention within it, and Opus refuses longer contexts; llama.cpp's
+    # llama architecture has no window: the file's trained context is the window, so it warns beyond it.
+    window = getattr(cfg, "sliding_window", None)
+    writer.add_context_length(min(cfg.max_position_embeddings, window or cfg.max_position_embeddings))
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_layers)
     # llama.cpp's llama architecture sizes Mixtral's experts by feed_forward_length
