@@ -89,39 +89,47 @@ def _experts(prefix: str, grouped: nn.Module) -> list[Layer]:
     return out
 
 
-def _walk(model: nn.Module) -> tuple[list[Layer], set[str]]:
-    """The original linear layers, and the names of the modules they were read from."""
+def _sources(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """(name, kind, module) of every module holding original linear layers: ``experts`` (a grouped
+    MoE's), ``qkv`` and ``gate_up`` (fused), ``linear`` (one layer, float or quantized)."""
     from opus.fusion.moe import GroupedExperts
 
-    found: list[Layer] = []
-    consumed: set[str] = set()
+    found: list[tuple[str, str, nn.Module]] = []
     for name, module in model.named_modules():
-        if any(name.startswith(c + ".") for c in consumed):
+        if any(name.startswith(f + ".") for f, _, _ in found):
             continue
         leaf = name.rpartition(".")[2]
         if isinstance(module, GroupedExperts):
-            found += _experts(name, module)
+            found.append((name, "experts", module))
         elif leaf == f"{DECODER.qkv_group}_proj":
-            found += _split(name[: -len(leaf)], module, _attention_parts(model))
+            found.append((name, "qkv", module))
         elif leaf == f"{DECODER.gate_up_group}_proj":
-            half = module.out_features // 2
-            found += _split(name[: -len(leaf)], module, [(DECODER.gate_proj, half), (DECODER.up_proj, half)])
+            found.append((name, "gate_up", module))
         elif isinstance(module, nn.Linear) or is_quantized(module):
-            found += _split(name, module, [("", module.out_features)])
-        else:
-            continue
-        consumed.add(name)
-    return found, consumed
+            found.append((name, "linear", module))
+    return found
 
 
 def layers(model: nn.Module) -> dict[str, Layer]:
     """Every original linear layer of ``model`` (fused or not) by its decoder name."""
-    return {layer.name: layer for layer in _walk(model)[0]}
+    found: list[Layer] = []
+    for name, kind, module in _sources(model):
+        prefix = name.rpartition(".")[0] + "."
+        if kind == "experts":
+            found += _experts(name, module)
+        elif kind == "qkv":
+            found += _split(prefix, module, _attention_parts(model))
+        elif kind == "gate_up":
+            half = module.out_features // 2
+            found += _split(prefix, module, [(DECODER.gate_proj, half), (DECODER.up_proj, half)])
+        else:
+            found += _split(name, module, [("", module.out_features)])
+    return {layer.name: layer for layer in found}
 
 
 def other_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers outside the linear layers (embeddings, norms), by decoder name."""
-    consumed = _walk(model)[1]
+    consumed = [name for name, _, _ in _sources(model)]
     return {name: tensor.detach() for name, tensor in model.state_dict().items()
             if not any(name.startswith(c + ".") for c in consumed)}
 
