@@ -1,0 +1,139 @@
+"""ONNX pieces the KV-cache export adds: int4 weights dequantized in the graph, and bf16 graphs run in float32.
+
+``int4_translations``: W4A16 layers call torch's CPU int4 GEMM (``aten._weight_int4pack_mm_for_cpu``, or
+``opus::int4_mm_cpu`` under compile and export), whose weight is in the kernel's packed layout:
+rows in blocks of 64, for each input channel k 32 bytes, byte n = row n (low nibble) | row n + 32
+(high nibble); the rows past the last full block (a multiple of 16) pairwise, byte j = row 2j | row
+2j + 1. The graph unpacks the nibbles, dequantizes them as the kernel does, ``(q - 8) * scale + zero``
+per group of input channels with bf16 scales, and multiplies in float32 with the activation rounded
+to bf16 and the result rounded to bf16 — what the kernel computes (tests/export checks the layout and
+the result against the kernel). onnxruntime folds the dequantization into a float32 weight when the
+session loads: the file stays int4, the session's memory does not.
+
+``compute_in_float32``: onnxruntime's CPU provider has almost no bfloat16 kernels, so a graph exported
+from a bf16 model is rewritten in place: every bf16 value becomes float32 (inputs, outputs, Cast
+targets, constants), bf16 initializers stay bf16 in the external data file and are cast once at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BLOCK_N = 64  # rows per block of torch's CPU int4 packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp)
+
+
+def int4_translations() -> dict[Any, Callable[..., Any]]:
+    import numpy as np
+    import onnx_ir as ir
+    from onnxscript import opset18 as op
+
+    def unpack(weight: Any) -> Any:
+        """The kernel's packed ``[n, k / 2]`` bytes -> ``[n, k]`` nibbles (no Slice: the exporter's
+        optimizer pairs Slice nodes by brute force, quadratic in their number)."""
+        n, half_k = (int(d) for d in weight.shape)
+        k, main, tail = 2 * half_k, n // BLOCK_N * BLOCK_N, n % BLOCK_N
+        low = op.BitwiseAnd(weight, op.Constant(value=ir.tensor(np.array(15, np.uint8))))
+        high = op.BitShift(weight, op.Constant(value=ir.tensor(np.array(4, np.uint8))), direction="RIGHT")
+        low_tail, high_tail = low, high
+        if main and tail:  # the full blocks' rows, then the tail's (Gather: Split needs a form ORT rejects)
+            rows, rest = op.Constant(value_ints=list(range(main))), op.Constant(value_ints=list(range(main, n)))
+            low, low_tail = op.Gather(low, rows, axis=0), op.Gather(low, rest, axis=0)
+            high, high_tail = op.Gather(high, rows, axis=0), op.Gather(high, rest, axis=0)
+        parts = []
+        if main:  # per block and input channel: 32 bytes, row r (low nibble) and row r + 32 (high)
+            shape = op.Constant(value_ints=[main // BLOCK_N, k, BLOCK_N // 2])
+            block = op.Concat(op.Reshape(low, shape), op.Reshape(high, shape), axis=2)  # [blocks, k, 64]
+            parts.append(op.Reshape(op.Transpose(block, perm=[0, 2, 1]), op.Constant(value_ints=[main, k])))
+        if tail:  # per input channel: rows 2j (low nibble) and 2j + 1 (high)
+            shape = op.Constant(value_ints=[k, tail // 2, 1])
+            pairs = op.Concat(op.Reshape(low_tail, shape), op.Reshape(high_tail, shape), axis=2)  # [k, tail/2, 2]
+            parts.append(op.Transpose(op.Reshape(pairs, op.Constant(value_ints=[k, tail])), perm=[1, 0]))
+        return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=0)
+
+    def int4_mm(x: Any, weight: Any, group_size: int, scales_and_zeros: Any) -> Any:
+        n, k = int(weight.shape[0]), 2 * int(weight.shape[1])
+        q = op.Reshape(op.Cast(unpack(weight), to=1), op.Constant(value_ints=[n, k // group_size, group_size]))
+        sz = op.Cast(op.Cast(scales_and_zeros, to=16), to=1)  # the kernel reads bf16 scales and zeros
+        scale = op.Unsqueeze(op.Transpose(op.Gather(sz, op.Constant(value_int=0), axis=2), perm=[1, 0]),
+                             op.Constant(value_ints=[2]))
+        zero = op.Unsqueeze(op.Transpose(op.Gather(sz, op.Constant(value_int=1), axis=2), perm=[1, 0]),
+                            op.Constant(value_ints=[2]))
+        eight = op.Constant(value=ir.tensor(np.array(8.0, np.float32)))
+        w = op.Reshape(op.Add(op.Mul(op.Sub(q, eight), scale), zero), op.Constant(value_ints=[n, k]))
+        x32 = op.Cast(op.Cast(x, to=16), to=1)
+        out = op.Cast(op.MatMul(x32, op.Transpose(w, perm=[1, 0])), to=16)  # bf16, as the kernel returns
+        return op.CastLike(out, x)
+
+    table: dict[Any, Callable[..., Any]] = {torch.ops.aten._weight_int4pack_mm_for_cpu.default: int4_mm}
+    import opus.quant.formats.w4a16  # noqa: F401 - registers opus::int4_mm_cpu
+
+    table[torch.ops.opus.int4_mm_cpu.default] = int4_mm
+    return table
+
+
+def rewrite(path: Path, dim_names: dict[str, dict[int, str]], float32: bool) -> None:
+    """Name the inputs' dynamic axes (``dim_names``: input -> axis -> name); with ``float32``, make every
+    bf16 value of the graph float32. The external data file is left as it is."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    for value in model.graph.input:
+        for axis, name in dim_names.get(value.name, {}).items():
+            value.type.tensor_type.shape.dim[axis].dim_param = name
+    if float32:
+        compute_in_float32(model)
+    onnx.save_model(model, str(path))
+
+
+def compute_in_float32(model: Any) -> None:
+    """Every bf16 value of ``model`` (an ``onnx.ModelProto``) becomes float32; bf16 initializers are cast."""
+    import onnx
+    from onnx import TensorProto, numpy_helper
+
+    bf16, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+
+    def to_float(tensor: onnx.TensorProto) -> onnx.TensorProto:
+        if tensor.data_type != bf16:
+            return tensor
+        return numpy_helper.from_array(numpy_helper.to_array(tensor).astype("float32"), tensor.name)
+
+    def fix_types(values: Any) -> None:
+        for value in values:
+            tensor_type = value.type.tensor_type
+            if tensor_type.elem_type == bf16:
+                tensor_type.elem_type = f32
+
+    def fix_nodes(nodes: Any) -> None:
+        for node in nodes:
+            for attr in node.attribute:
+                if node.op_type == "Cast" and attr.name == "to" and attr.i == bf16:
+                    attr.i = f32
+                elif attr.type == onnx.AttributeProto.TENSOR:
+                    attr.t.CopyFrom(to_float(attr.t))
+                elif attr.type == onnx.AttributeProto.GRAPH:
+                    fix_graph(attr.g)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for g in attr.graphs:
+                        fix_graph(g)
+
+    def fix_graph(graph: onnx.GraphProto) -> None:
+        fix_types([*graph.input, *graph.output, *graph.value_info])
+        fix_nodes(graph.node)
+        casts = []
+        for init in graph.initializer:
+            if init.data_type == bf16:  # stored bf16, cast to float32 once (onnxruntime folds it at load)
+                name, init.name = init.name, f"{init.name}__bf16"
+                casts.append(onnx.helper.make_node("Cast", [init.name], [name], to=f32, name=f"{name}__to_f32"))
+        if casts:
+            nodes = list(graph.node)
+            del graph.node[:]
+            graph.node.extend([*casts, *nodes])
+
+    fix_graph(model.graph)
+    for function in model.functions:
+        fix_nodes(function.node)
+        fix_types(function.value_info)
