@@ -1,22 +1,29 @@
-"""Baseline and candidate timed side by side: paired rounds in one process, a ratio with its interval.
+"""Models timed side by side: interleaved rounds in one process, a ratio with its interval per model.
 
 A ratio of two figures measured minutes or hours apart measures the machine as much as the models
-(another process, a thermal state, a neighbour's job). Here both models are in memory and each round
-times the baseline and the candidate back to back, in alternating order (B C, C B, ...), so a slow
-moment hits both; each round gives one ratio candidate / baseline, and the result is their median
-with the interval [min, max] over the rounds. An interval wider than ``MAX_WIDTH`` of the ratio is
-measured again once with as many rounds; still too wide, it is marked ``noisy``. Gates on a ratio
-use the interval's conservative end (``opus.pipeline.gates``), so a noisy measurement cannot pass a
-speed gate by luck.
+(another process, a thermal state, a neighbour's job). Here every model is in memory and each round
+times each of them once, back to back, in rotated order — round ``r`` starts at side ``r mod N``
+(for two: B C, C B, ...) — so a slow moment hits them all and no side always runs first or last.
+Each round gives one ratio side / baseline (side 0) per timed quantity, and the result is their
+median with the interval [min, max] over the rounds. An interval wider than ``MAX_WIDTH`` of the
+ratio is measured again once with as many rounds; still too wide, it is marked ``noisy``. Gates on a
+ratio use the interval's conservative end (``opus.pipeline.gates``), so a noisy measurement cannot
+pass a speed gate by luck.
+
+``measure_paired`` is the two-model case the eval stage uses (P and D of the baseline and the
+candidate); ``measure_interleaved`` is the general one (``opus bench``: N contenders, any figures a
+round's run returns).
 
 Stored beside the metric as ``<key>_paired``: ``{"ratio", "low", "high", "n", "noisy", "baseline",
-"candidate", "ratios"}`` (medians of each side's rounds under ``baseline`` / ``candidate``).
+"candidate", "ratios"}`` (medians of each side's rounds under ``baseline`` / ``candidate``), and
+``"repeated": True`` when the rounds were measured a second time.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +36,8 @@ MAX_WIDTH = 0.15  # (high - low) / ratio beyond which the pairs disagree too muc
 MIN_ROUNDS = 5  # [min, max] of 5 paired ratios leaves out each side's luck with probability 1 - 2/2**5
 CacheFactory = Callable[[int, int], Any]
 Advance = Callable[[str], None]
+Figures = dict[str, Any]  # what one side's run in one round measured: key -> value
+Table = list[list[Figures]]  # table[round][side]
 
 
 def _p(model: nn.Module, prompts: torch.Tensor, output_len: int, factory: CacheFactory) -> float:
@@ -43,28 +52,70 @@ MEASURES: dict[str, Callable[[nn.Module, torch.Tensor, int, CacheFactory], float
     "throughput_tok_s": _p, "ttft_ms": _d}
 
 
-def _rounds(sides: list[tuple[nn.Module, CacheFactory]], measure: Callable[..., float], prompts: torch.Tensor,
-            output_len: int, rounds: int, start: int, advance: Advance, what: str) -> list[tuple[float, float]]:
-    pairs = []
+def rotation(index: int, sides: int) -> list[int]:
+    """The order of round ``index``: every side once, starting at side ``index mod sides``."""
+    first = index % sides
+    return [*range(first, sides), *range(first)]
+
+
+def interleaved_rounds(run: Callable[[int], Figures], sides: int, rounds: int, start: int = 0,
+                       advance: Advance | None = None, what: str = "") -> Table:
+    """``rounds`` rounds numbered from ``start``; in each, ``run(side)`` once per side in rotated order."""
+    table = []
     for index in range(start, start + rounds):
-        order = (0, 1) if index % 2 == 0 else (1, 0)  # alternate, so neither side always runs second
-        values = {}
-        for side in order:
-            model, factory = sides[side]
-            values[side] = measure(model, prompts, output_len, factory)
-            advance(what)
-        pairs.append((values[0], values[1]))
-    return pairs
+        row: list[Figures] = [{} for _ in range(sides)]
+        for side in rotation(index, sides):
+            row[side] = run(side)
+            if advance is not None:
+                advance(what)
+        table.append(row)
+    return table
 
 
-def _summary(pairs: list[tuple[float, float]]) -> dict[str, Any]:
-    ratios = [c / b for b, c in pairs if b > 0]
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def ratio_interval(pairs: Sequence[tuple[float, float]]) -> dict[str, Any] | None:
+    """Median and [min, max] of the per-round ratios candidate / baseline; None without a valid pair."""
+    pairs = [(b, c) for b, c in pairs if _number(b) and _number(c) and b > 0]
+    if not pairs:
+        return None
+    ratios = [c / b for b, c in pairs]
     ratio = statistics.median(ratios)
     low, high = min(ratios), max(ratios)
     return {"ratio": ratio, "low": low, "high": high, "n": len(ratios),
-            "noisy": (high - low) > MAX_WIDTH * ratio,
+            "noisy": (high - low) > MAX_WIDTH * abs(ratio),
             "baseline": statistics.median(b for b, _ in pairs), "candidate": statistics.median(c for _, c in pairs),
             "ratios": [round(r, 5) for r in ratios]}
+
+
+def interleaved_ratios(table: Table, keys: Sequence[str]) -> dict[str, list[dict[str, Any] | None]]:
+    """``{key: [interval of side 1 / side 0, of side 2 / side 0, ...]}``: pairs from the same round only."""
+    sides = len(table[0]) if table else 0
+    return {key: [ratio_interval([(row[0].get(key), row[side].get(key)) for row in table])
+                  for side in range(1, sides)] for key in keys}
+
+
+def any_noisy(summaries: dict[str, list[dict[str, Any] | None]]) -> bool:
+    return any(s is not None and s["noisy"] for per in summaries.values() for s in per)
+
+
+def measure_interleaved(run: Callable[[int], Figures], sides: int, keys: Sequence[str], rounds: int,
+                        advance: Advance | None = None,
+                        what: str = "") -> tuple[Table, dict[str, list[dict[str, Any] | None]]]:
+    """At least ``MIN_ROUNDS`` interleaved rounds of ``run`` over ``sides`` sides (side 0 the baseline),
+    and each other side's ratio interval for each of ``keys``. When any interval is wider than
+    ``MAX_WIDTH``, every side is measured again for as many rounds (the order keeps rotating) and the
+    intervals cover both; each is then marked ``repeated``, and ``noisy`` where still too wide."""
+    rounds = max(rounds, MIN_ROUNDS)
+    table = interleaved_rounds(run, sides, rounds, 0, advance, what)
+    summaries = interleaved_ratios(table, keys)
+    if any_noisy(summaries):  # once more: a burst of another process may have hit a few rounds
+        table += interleaved_rounds(run, sides, rounds, rounds, advance, what)
+        summaries = {key: [None if s is None else {**s, "repeated": True} for s in per]
+                     for key, per in interleaved_ratios(table, keys).items()}
+    return table, summaries
 
 
 def paired_units(keys: list[str], rounds: int) -> int:
@@ -77,7 +128,6 @@ def measure_paired(baseline: tuple[nn.Module, CacheFactory], candidate: tuple[nn
                    advance: Advance | None = None) -> dict[str, dict[str, Any]]:
     """``{paired_key(key): {...}}`` for each of ``keys`` (``throughput_tok_s``, ``ttft_ms``)."""
     advance = advance or (lambda _: None)
-    rounds = max(rounds, MIN_ROUNDS)
     sides = [baseline, candidate]
     out = {}
     for key in keys:
@@ -85,10 +135,12 @@ def measure_paired(baseline: tuple[nn.Module, CacheFactory], candidate: tuple[nn
         for model, factory in sides:  # a warm-up each: one-time work lands in no round
             measure(model, prompts, output_len, factory)
             advance(f"{key} side by side warm-up")
-        pairs = _rounds(sides, measure, prompts, output_len, rounds, 0, advance, f"{key} side by side")
-        result = _summary(pairs)
-        if result["noisy"]:  # once more: a burst of another process may have hit a few rounds
-            pairs += _rounds(sides, measure, prompts, output_len, rounds, rounds, advance, f"{key} side by side")
-            result = {**_summary(pairs), "repeated": True}
-        out[paired_key(key)] = result
+
+        def run(side: int, key: str = key, measure: Callable[..., float] = measure) -> Figures:
+            model, factory = sides[side]
+            return {key: measure(model, prompts, output_len, factory)}
+
+        _, summaries = measure_interleaved(run, 2, [key], rounds, advance, f"{key} side by side")
+        if summaries[key][0] is not None:
+            out[paired_key(key)] = summaries[key][0]
     return out

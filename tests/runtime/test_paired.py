@@ -92,3 +92,37 @@ def test_the_summary_reports_the_side_by_side_ratio_and_warns_only_on_a_whole_in
     assert summary["ratios"]["throughput_tok_s"] == 0.97 and summary["ratios"]["ttft_ms"] == 0.8
     assert summary["ratio_intervals"]["throughput_tok_s"] == {"low": 0.9, "high": 0.99, "n": 5, "noisy": False}
     assert len(summary["warnings"]) == 1 and "throughput_tok_s ×0.900–0.990" in summary["warnings"][0]
+
+
+def test_n_sides_rotate_so_no_side_is_always_first_or_last() -> None:
+    assert [paired.rotation(r, 3) for r in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    assert [paired.rotation(r, 2) for r in range(2)] == [[0, 1], [1, 0]]  # two sides: B C, C B as before
+    calls: list[int] = []
+    speed = {0: 10.0, 1: 20.0, 2: 5.0}
+
+    def run(side: int) -> dict[str, float]:
+        calls.append(side)
+        return {"p": speed[side] * (1 + 0.01 * len(calls))}  # a slowly drifting machine
+
+    table, out = paired.measure_interleaved(run, 3, ["p", "missing"], rounds=2)
+    assert len(table) == paired.MIN_ROUNDS and calls[:9] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    one, two = out["p"]
+    assert one["n"] == two["n"] == 5 and not one["noisy"] and "repeated" not in one
+    assert one["low"] <= one["ratio"] <= one["high"] and 1.9 < one["ratio"] < 2.1
+    assert 0.45 < two["ratio"] < 0.55
+    assert out["missing"] == [None, None]  # nothing measured under that key: no ratio, no crash
+
+
+def test_n_sides_repeat_all_rounds_when_one_ratio_is_wide() -> None:
+    calls: list[int] = []
+    figures = {0: [1.0] * 10, 1: [1.0] * 10, 2: [2.0, 1.0] * 5}  # side 2 swings between rounds
+
+    def run(side: int) -> dict[str, float]:
+        calls.append(side)
+        return {"p": figures[side].pop(0)}
+
+    table, out = paired.measure_interleaved(run, 3, ["p"], rounds=5)
+    assert len(table) == 10 and len(calls) == 30  # every side measured again, not only the noisy one
+    steady, swinging = out["p"]
+    assert steady["repeated"] and not steady["noisy"] and steady["n"] == 10
+    assert swinging["repeated"] and swinging["noisy"]
