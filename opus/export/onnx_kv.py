@@ -19,9 +19,11 @@ traces (``export_view``), and the model is put back as it was: per-row positions
 wrapped to give cos/sin ``[batch, 1, seq, head_dim]`` from ``position_ids``) and per-row padding (each
 attention module run as a copy of its fx graph whose ``attend`` reads a ``[batch, 1, seq, past+seq]``
 mask: slot-causal and ``attention_mask``, a token always seeing itself so a padded row never softmaxes
-over nothing). Int4 weights (``w4a16``) are dequantized in the graph, and a bfloat16 graph is rewritten
-to compute in float32 — onnxruntime's CPU kernels have no bf16 — its weights kept bf16 on disk
-(``opus.export.onnx_ops``). Parity, P and D: ``opus.export.onnx_check``.
+over nothing). A sliding-window layer, which Opus's torch decoder runs only within its window, gets
+the window in its mask, as transformers applies it (tests check against its Mistral). Int4 weights
+(``w4a16``) are dequantized in the graph, and a bfloat16 graph is rewritten to compute in float32 —
+onnxruntime's CPU kernels have no bf16 — its weights kept bf16 on disk (``opus.export.onnx_ops``).
+Parity, P and D: ``opus.export.onnx_check``.
 """
 
 from __future__ import annotations
@@ -58,12 +60,19 @@ class PastKV(CacheBase):
     """The cache protocol over graph inputs: ``update`` returns past ++ new and records it as the present.
 
     ``positions`` ([B, T], per row) reaches the model's RoPE, which ``export_view`` makes per row;
-    ``attn_mask`` ([B, 1, T, S]) reaches the padded attention copies.
+    ``attn_mask`` ([B, 1, T, S]: slot-causal and ``attention_mask``, a token always seeing itself so a
+    padded row never softmaxes over nothing) reaches the padded attention copies.
     """
 
-    def __init__(self, past: list[torch.Tensor], attn_mask: torch.Tensor, positions: torch.Tensor) -> None:
-        self.past, self.attn_mask, self.positions = past, attn_mask, positions  # past: [key 0, value 0, key 1 ...]
+    def __init__(self, past: list[torch.Tensor], attention_mask: torch.Tensor, positions: torch.Tensor) -> None:
+        self.past, self.positions = past, positions  # past: [key 0, value 0, key 1, ...]
         self.presents: list[torch.Tensor] = list(past)
+        t, past_len, device = positions.shape[1], past[0].shape[2], positions.device
+        self.slots = torch.arange(past_len + t, device=device)
+        self.query = torch.arange(t, device=device) + past_len
+        causal = self.slots[None, :] <= self.query[:, None]  # [T, S]
+        itself = (self.slots[None, :] == self.query[:, None])[None, None]
+        self.attn_mask = (causal[None, None] & attention_mask.bool()[:, None, None, :]) | itself
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_all = torch.cat((self.past[2 * layer], k.to(self.past[2 * layer].dtype)), dim=2)
@@ -94,8 +103,14 @@ class RowRotary(nn.Module):
         return cos.reshape(shape), sin.reshape(shape)
 
 
-def _padding_mask(cache: object | None) -> torch.Tensor | None:
-    return getattr(cache, "attn_mask", None)
+def _padding_mask(cache: object | None, window: int | None = None) -> torch.Tensor | None:
+    """The cache's ``[B, 1, T, S]`` mask; with a sliding ``window``, only the last ``window`` slots up to each
+    query (transformers' sliding-window mask: a key is visible while ``query - key < window``)."""
+    mask = getattr(cache, "attn_mask", None)
+    if mask is None or window is None:
+        return mask
+    slots, query = cache.slots, cache.query  # type: ignore[attr-defined]
+    return mask & (slots[None, :] > query[:, None] - window)[None, None]
 
 
 def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
@@ -126,11 +141,18 @@ def _padded_copy(module: nn.Module) -> fx.GraphModule | None:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     if not any(n.target is decoder.attend for n in nodes):
         return None
+    guard = getattr(decoder, "window_guard", None)  # raises past the window: a graph applies the window instead
+    windows = {n.args[1] for n in nodes if guard is not None and n.target is guard}
+    if len(windows) > 1 or not all(isinstance(w, int) for w in windows):
+        raise ValueError(f"{type(module).__name__}: sliding windows {sorted(map(str, windows))} in one attention")
     for node in nodes:
         if node.target is decoder.attend:
             node.target = _attend_padded
         elif node.target is decoder.cache_mask:
-            node.target = _padding_mask
+            node.target, node.args = _padding_mask, (node.args[0], next(iter(windows), None))
+        elif guard is not None and node.target is guard:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
     gm.recompile()
     copy_plain_attributes(module, gm)
     return gm.eval()
@@ -171,13 +193,7 @@ class KVDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                 past_key_values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        t, past_len = input_ids.shape[1], past_key_values[0].shape[2]
-        slots = torch.arange(past_len + t, device=input_ids.device)
-        query = torch.arange(t, device=input_ids.device) + past_len
-        causal = slots[None, :] <= query[:, None]  # [T, S]
-        visible = causal[None, None] & attention_mask.bool()[:, None, None, :]
-        mask = visible | (slots[None, :] == query[:, None])[None, None]  # [B, 1, T, S]; a token sees itself
-        cache = PastKV(list(past_key_values), mask, position_ids)
+        cache = PastKV(list(past_key_values), attention_mask, position_ids)
         kw = {"last_only": True} if self.last_only else {}
         logits = self.model.forward(input_ids, cache=cache, **kw)  # forward: not a torch.compile'd __call__
         return (logits.float(), *cache.presents)
@@ -192,7 +208,8 @@ def geometry(model: nn.Module) -> dict[str, Any]:
         raise ValueError(f"{type(model).__name__} is not an Opus decoder (model.model.embed_tokens, rotary_emb, "
                          "layers, norm, lm_head): no KV-cache interface to export")
     return {"num_layers": len(trunk.layers), "num_heads": int(cfg.num_heads), "num_kv_heads": int(cfg.num_kv_heads),
-            "head_dim": int(cfg.head_dim), "vocab_size": vocab_size(model)}
+            "head_dim": int(cfg.head_dim), "vocab_size": vocab_size(model),
+            "sliding_window": getattr(cfg, "sliding_window", None)}
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

@@ -185,6 +185,35 @@ def test_w4a16_weights_dequantized_in_the_graph(tmp_path: Path) -> None:
     assert any(init.data_type == onnx.TensorProto.UINT8 for init in graph.initializer)  # packed int4 on disk
 
 
+def test_sliding_window_beyond_the_window_matches_transformers(tmp_path: Path) -> None:
+    """Opus's torch decoder refuses to attend past a sliding window; the graph applies the window, as
+    transformers' Mistral does: its logits match at every position, prefilled and decoded past the window."""
+    import transformers as tf
+
+    from opus.models import load_model
+
+    torch.manual_seed(0)
+    cfg = tf.MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6)
+    hf = tf.MistralForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    model, _ = load_model({"hf": str(tmp_path / "hf")}, ".")
+    outcome = export_onnx(model, None, {}, tmp_path, settings(input_len=5, prompt_len=5, greedy_tokens=2))
+    assert_parity(outcome)  # within the window, against Opus's torch decoder
+    meta = json.loads((tmp_path / "onnx" / META_FILE).read_text())
+    decoder = OrtDecoder(ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx")), meta)
+    ids = torch.randint(0, 61, (1, 15))
+    with torch.no_grad():
+        expected = hf(ids).logits[0].numpy()
+    _, decoded, _ = decoder.generate(ids[:, :3].numpy(), 13, forced=ids[:, 3:].numpy())
+    assert max(float(np.abs(got[0] - expected[2 + i]).max()) for i, got in enumerate(decoded)) < 1e-4
+    _, prefilled, _ = decoder.generate(ids.numpy(), 1)
+    assert float(np.abs(prefilled[0][0] - expected[-1]).max()) < 1e-4
+
+
 @torch.library.custom_op("opus_test::no_onnx", mutates_args=())
 def _no_onnx(x: torch.Tensor) -> torch.Tensor:
     return x * 2
