@@ -15,10 +15,9 @@ from typing import Any
 
 from opus.atomic import read_json
 from opus.errors import InputError
-from opus.pipeline.contracts import read_result
+from opus.pipeline.run_files import final_checkpoint, resolve_from, run_base_dir
 from opus.pipeline.spec import LoadedPipeline, load_pipeline
 
-KEPT = ("done", "cached")
 DEFAULT_BUDGET = 0.01
 
 
@@ -38,30 +37,6 @@ def _run_info(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-def final_checkpoint(run_dir: Path) -> tuple[Path | None, str | None]:
-    """The last kept stage's checkpoint: from summary.json, else (a stopped run) from the stage dirs."""
-    summary_path = run_dir / "summary.json"
-    if summary_path.is_file():
-        kept = []
-        for stage in read_json(summary_path).get("stages", []):
-            if stage.get("status") not in KEPT or not stage.get("dir"):
-                continue
-            path = Path(stage["dir"])  # absolute when written; the run directory may have moved since
-            path = path if path.is_dir() else run_dir / "stages" / path.name
-            if path.is_dir():
-                kept.append((path, stage["id"]))
-        return kept[-1] if kept else (None, None)
-    committed = []
-    for path in sorted((run_dir / "stages").glob("[0-9][0-9]-*")):
-        try:
-            result = read_result(path)
-        except (OSError, ValueError):  # ValueError: not JSON, or not a result record
-            continue
-        if (path / "manifest.json").is_file() and result.status == "done":
-            committed.append(path)
-    return (committed[-1], committed[-1].name[3:]) if committed else (None, None)
-
-
 def latest_finished_run(loaded: LoadedPipeline, runs_dir: Path) -> Path | None:
     """The newest run under ``runs_dir`` of this pipeline file (else of this pipeline name) that finished."""
     candidates: list[tuple[float, bool, Path]] = []
@@ -76,7 +51,8 @@ def latest_finished_run(loaded: LoadedPipeline, runs_dir: Path) -> Path | None:
             continue
         if status == "finished":
             started = max(info.get("starts") or [info.get("created", 0.0)])
-            candidates.append((started, info.get("pipeline") == pipeline, run_dir))
+            same = bool(info.get("pipeline")) and str(resolve_from(info["pipeline"], run_dir).resolve()) == pipeline
+            candidates.append((started, same, run_dir))
     same_file = [c for c in candidates if c[1]]
     chosen = max(same_file or candidates, default=None)
     return chosen[2] if chosen else None
@@ -87,7 +63,7 @@ def resolve_target(path: Path, runs_dir: Path) -> Target:
         info = _run_info(path)
         if info is None:
             raise InputError("neither a pipeline file nor a run directory (no run.json)", file=str(path))
-        loaded = load_pipeline(path / "pipeline.yaml", base_dir=Path(info["base_dir"]))
+        loaded = load_pipeline(path / "pipeline.yaml", base_dir=run_base_dir(path, info))
         checkpoint, stage = final_checkpoint(path)
         reason = "" if checkpoint else f"run {path} has no committed stage yet"
         return Target(loaded, path, checkpoint, stage, reason)

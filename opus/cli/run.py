@@ -38,7 +38,12 @@ def add_parsers(sub: Any) -> None:
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
-def _execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> int:
+def execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> dict[str, Any]:
+    """Run (or continue) ``loaded`` in ``run_dir`` as ``opus run`` does; returns the run's summary.
+
+    Invalid input raises its OpusError before anything is written; a run that fails is a summary
+    whose status says so. ``opus.run`` (the Python API) is this too.
+    """
     from opus.cli.history import finish_run
     from opus.pipeline.console import RunDisplay
     from opus.pipeline.runner import Runner
@@ -50,7 +55,26 @@ def _execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> i
         summary = runner.run()
     _print_outcome(summary, run_dir)
     finish_run(run_dir, summary, commit=commit or loaded.spec.run.track == "git")  # only ever warns
-    return STATUS_EXIT.get(summary["status"], EXIT_RUN_FAILED)
+    _print_exported(run_dir)
+    return summary
+
+
+def _execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> int:
+    return STATUS_EXIT.get(execute(loaded, run_dir, quiet, commit)["status"], EXIT_RUN_FAILED)
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the current directory when it lies under it, else absolute."""
+    path, here = Path(path).resolve(), Path.cwd().resolve()
+    return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
+
+
+def _print_exported(run_dir: Path) -> None:
+    """The last lines: where the run's exports are (each loads with ``opus.load(DIR)``)."""
+    from opus.pipeline.run_files import export_dirs
+
+    for path in export_dirs(run_dir):
+        print(f"  exported  {shown_path(path)}")
 
 
 def _preflight(loaded: Any, types: Any) -> None:
@@ -88,16 +112,27 @@ def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import json
-
     from opus.pipeline.spec import load_pipeline
 
-    overrides = list(args.overrides)
-    if args.decisions_from:  # absolute (a relative --set path is the pipeline file's), quoted as a YAML string
-        overrides.append(f"run.decisions_from={json.dumps(str(args.decisions_from.resolve()))}")
-    loaded = load_pipeline(args.pipeline, overrides)
-    run_dir = args.run_dir or args.runs_dir / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    loaded = load_pipeline(args.pipeline, [*args.overrides, *decisions_override(args.pipeline, args.decisions_from)])
+    run_dir = args.run_dir or default_run_dir(loaded, args.runs_dir)
     return _execute(loaded, run_dir, args.quiet, args.commit)
+
+
+def decisions_override(pipeline: Path, decisions_from: Path | None) -> list[str]:
+    """``--decisions-from RUN_DIR`` as a ``--set``: the path relative to the pipeline file's directory (as
+    a relative --set path is read), so pipeline.yaml keeps no absolute path; quoted as a YAML string."""
+    import json
+
+    from opus.pipeline.run_files import relative_path
+
+    if decisions_from is None:
+        return []
+    return [f"run.decisions_from={json.dumps(relative_path(decisions_from, Path(pipeline).parent))}"]
+
+
+def default_run_dir(loaded: Any, runs_dir: Path) -> Path:
+    return Path(runs_dir) / f"{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

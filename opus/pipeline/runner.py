@@ -43,7 +43,14 @@ from opus.pipeline.gates import check_gate, verified
 from opus.pipeline.graph import ancestors, execution_order, validate
 from opus.pipeline.keys import changed_parts, key_parts, run_context_fingerprint, stage_key
 from opus.pipeline.lock import RunLock
-from opus.pipeline.run_files import PIPELINE_FILE, RUN_FILE, SUMMARY_FILE, read_run_info, source_bytes
+from opus.pipeline.run_files import (
+    PIPELINE_FILE,
+    RUN_FILE,
+    SUMMARY_FILE,
+    read_run_info,
+    relative_path,
+    source_bytes,
+)
 from opus.pipeline.spec import LoadedPipeline
 from opus.pipeline.state import read_state
 from opus.pipeline.summary import build_summary
@@ -69,9 +76,12 @@ class StageRecord:
     note: str = ""
     warnings: list[str] = field(default_factory=list)  # the stage's own (StageResult.warnings)
 
-    def as_json(self) -> dict[str, Any]:
-        """The summary's row for this stage."""
-        return {**asdict(self), "gate": self.gate.as_json() if self.gate else None}
+    def as_json(self, run_dir: Path | None = None) -> dict[str, Any]:
+        """The summary's row for this stage (``dir`` relative to ``run_dir`` when given)."""
+        row = {**asdict(self), "gate": self.gate.as_json() if self.gate else None}
+        if run_dir is not None and self.dir:
+            row["dir"] = relative_path(self.dir, run_dir)
+        return row
 
     def upstream_view(self) -> UpstreamView:
         assert self.dir is not None  # only stages with a checkpoint are upstream of anything
@@ -117,7 +127,7 @@ class Runner:
                     stage = self.spec.stage(stage_id)
                     self.records[stage_id] = StageRecord(stage_id, stage.uses, "", "skipped", self._role(stage_id),
                                                          note="not run: the run ended before it")
-            records = [self.records[s].as_json() for s in order]
+            records = [self.records[s].as_json(self.run_dir) for s in order]
             status, reasons = run_status(records, stopped)
             summary = build_summary(self.run_dir.name, status, records, self.rollbacks, error, reasons)
             try:
@@ -141,8 +151,9 @@ class Runner:
         info = read_run_info(run_file) if run_file.is_file() else {
             "run_id": self.run_dir.name, "created": time.time(), "host": socket.gethostname(),
             "starts": []}
-        info.update(pipeline=str(self.loaded.path.resolve()), base_dir=str(self.loaded.base_dir),
-                    name=self.spec.name)
+        # Relative to the run directory: a run moved, copied or committed to git reads the same.
+        info.update(pipeline=relative_path(self.loaded.path, self.run_dir),
+                    base_dir=relative_path(self.loaded.base_dir, self.run_dir), name=self.spec.name)
         info["starts"].append(time.time())
         write_json(run_file, info)
         self.context = run_context_fingerprint(self.spec, self.loaded.base_dir)
@@ -209,7 +220,8 @@ class Runner:
         if problem:
             moved = move_aside(path, self.run_dir / "discarded")
             self.display.warn(f"checkpoint {path.name} discarded: {problem}; re-running from the one before")
-            self.events.emit("checkpoint_discarded", stage=stage_id, reason=problem, moved_to=str(moved))
+            self.events.emit("checkpoint_discarded", stage=stage_id, reason=problem,
+                             moved_to=relative_path(moved, self.run_dir))
             return False
         if path is None:
             return False

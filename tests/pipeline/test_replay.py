@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import yaml
@@ -45,6 +46,8 @@ def test_a_run_replays_the_plan_of_an_earlier_one(tmp_path: Path) -> None:
         [(g["name"], g["format"]) for g in earlier["groups"]]
     (record,) = json.loads((second / "artifacts" / "plan" / "decisions.json").read_text())["decisions"]
     assert record["replayed_from"] == str((first / "artifacts" / "plan" / "plan.yaml").resolve())
-    # The flag is a pipeline setting: recorded in the run's pipeline.yaml, so a resume replays too.
-    assert yaml.safe_load((second / "pipeline.yaml").read_text())["run"]["decisions_from"] == str(first.resolve())
+    # The flag is a pipeline setting: recorded in the run's pipeline.yaml (relative to the pipeline file, as
+    # every path there), so a resume replays too.
+    assert yaml.safe_load((second / "pipeline.yaml").read_text())["run"]["decisions_from"] == \
+        os.path.relpath(first.resolve(), pipeline.parent.resolve())
     assert run_cli("resume", second) == 0 and statuses(second) == {"plan": "cached"}
