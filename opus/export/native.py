@@ -3,8 +3,11 @@ safetensors + recipe that ``load_exported(dir)`` rebuilds without the run direct
 
 An export directory holds::
 
-    opus-export.json      source (absolute paths), dtype, recipe, aliases, sha256 of every file, metrics
+    opus-export.json      source (paths relative to this directory), dtype, recipe, aliases, sha256 of every
+                          file, metrics
     tensors.safetensors   the full state dict (shared storages once), so the base weights may change
+    config.json, tokenizer.json, ...  the model's config and tokenizer (``write_model_files``): with the
+                          tensors, all ``load_exported`` needs; the directory loads wherever it is moved
     model.onnx(.data)     input_ids [batch, seq] int64 -> logits float32 (absent if export failed)
 
 ONNX P is measured by a greedy loop *without* a KV cache — each new token re-runs the whole
@@ -32,12 +35,17 @@ from torch import nn
 from opus.atomic import read_json, sha256_file, write_json, write_text
 from opus.pipeline.checkpoint import commit as swap_in
 from opus.pipeline.checkpoint import new_temp_dir
+from opus.pipeline.run_files import relative_path, resolve_from
 from opus.pipeline.state import Materialized, apply_state, changed_tensors
 
 EXPORT_FILE = "opus-export.json"
 ONNX_FILE = "model.onnx"
 TENSORS_FILE = "tensors.safetensors"
 ERROR_FILE = "onnx_error.txt"
+# What write_model_files copies from an hf source: what rebuilds the model and its tokenizer (small files).
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+               "chat_template.jinja", "chat_template.json")
 FORMAT_VERSION = 1
 P_METHOD = ("greedy loop without KV cache (a full-sequence forward per generated token) on onnxruntime; "
             "tokens/s = batch x new_tokens / seconds")
@@ -198,12 +206,49 @@ def measure_ort(session: Any, vocab: int, s: ExportSettings) -> dict[str, float]
     return {"onnx_ttft_ms": ttft * 1000, "onnx_throughput_tok_s": s.batch_size * s.new_tokens / loop}
 
 
-def _absolute_source(source: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+def _relative_source(source: dict[str, Any], base_dir: Path, export_dir: Path) -> dict[str, Any]:
+    """The model source with its path relative to the export directory (where it was when exported)."""
     out = dict(source)
     for key in ("hf", "gguf"):
-        if key in out and not Path(out[key]).expanduser().is_absolute():
-            out[key] = str((base_dir / out[key]).resolve())
+        if key in out:
+            out[key] = relative_path(Path(base_dir) / Path(out[key]).expanduser(), export_dir)
     return out
+
+
+def write_model_files(model: nn.Module, tokenizer: Any, out: Path, s: ExportSettings) -> dict[str, Any]:
+    """Put in ``out`` what rebuilds the model without its source: config.json, generation_config.json and
+    the tokenizer files (copied from an hf source; from a GGUF's metadata, written by transformers).
+
+    Returns the record's ``model_files``: ``config`` (the file ``load_exported`` builds the model from,
+    or None) and ``files``; without a config, ``note`` says why and the export loads through its source.
+    """
+    from opus.models.config import ModelConfig, hf_config
+
+    copied: list[str] = []
+    if "hf" in s.source:
+        source_dir = Path(s.base_dir) / Path(s.source["hf"]).expanduser()
+        for name in MODEL_FILES:
+            if (source_dir / name).is_file():
+                shutil.copyfile(source_dir / name, out / name)
+                copied.append(name)
+        config = "config.json" if "config.json" in copied else None
+        return {"config": config, "files": copied,
+                **({} if config else {"note": f"the source {source_dir} has no config.json"})}
+    if "gguf" in s.source:
+        cfg = getattr(model, "config", None)
+        raw = hf_config(cfg) if isinstance(cfg, ModelConfig) else None
+        if raw is not None:
+            write_json(out / "config.json", raw)
+            copied.append("config.json")
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            before = {p.name for p in out.iterdir()}
+            tokenizer.save_pretrained(str(out))
+            copied += sorted(p.name for p in out.iterdir() if p.name not in before and p.is_file())
+        note = {} if raw else {"note": "the GGUF's config has no Hugging Face config.json equivalent; the "
+                                       "export loads through its source (a path relative to the export)"}
+        return {"config": "config.json" if raw else None, "files": copied, **note}
+    return {"config": None, "files": [], "note": "a factory model is rebuilt by its factory (module:function, "
+                                                 "imported from base_dir relative to the export)"}
 
 
 def one_line(exc: BaseException) -> str:
@@ -263,9 +308,12 @@ def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final:
         onnx_files = sorted(out.glob(f"{ONNX_FILE}*"))
         if onnx_files:
             metrics["onnx_file_mb"] = sum(p.stat().st_size for p in onnx_files) / 2**20
+        model_files = write_model_files(model, tokenizer, out, s)  # before "files" hashes them
         record = {
             "format": "opus-export", "version": FORMAT_VERSION,
-            "source": _absolute_source(s.source, s.base_dir), "base_dir": str(s.base_dir.resolve()),
+            # Paths relative to the export directory: nothing absolute leaves the machine.
+            "source": _relative_source(s.source, s.base_dir, final), "base_dir": relative_path(s.base_dir, final),
+            "model_files": model_files,
             "dtype": s.dtype, "device": s.device,
             "state": {"recipe": list(state.get("recipe", [])), "tensors": TENSORS_FILE, "aliases": aliases},
             "onnx": ONNX_FILE if metrics.get("onnx_exported") else None,
@@ -280,8 +328,31 @@ def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final:
     return metrics, info
 
 
+def _empty_model(export_dir: Path, dtype: str, device: str) -> tuple[nn.Module, Any]:
+    """The export's model built from its own config.json, weights zero (every tensor comes from
+    tensors.safetensors), and its tokenizer from its own tokenizer files (None without them)."""
+    from opus.models import DecoderLM
+    from opus.models.hf import load_hf_tokenizer, read_config
+    from opus.models.load import resolve_dtype
+
+    _, cfg = read_config(export_dir)
+    with torch.device("meta"):  # no random init of weights that are about to be replaced
+        model = DecoderLM(cfg)
+    model = model.to_empty(device=device).to(resolve_dtype(dtype))
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()
+    model.tie_weights()
+    return model.eval(), load_hf_tokenizer(export_dir)
+
+
 def load_exported(export_dir: Path | str, device: str | None = None, verify: bool = True) -> Materialized:
-    """Rebuild an exported model: load its source, re-apply the recipe, load the exported tensors."""
+    """Rebuild an exported model from the export directory alone: the model from its config.json, the
+    recipe re-applied, every tensor from tensors.safetensors; the tokenizer from its tokenizer files.
+
+    An export without a config.json of its own (a factory model; one written before exports held
+    their config) loads its source instead: a path relative to the export directory (or absolute).
+    """
     from opus.models import load_model
 
     export_dir = Path(export_dir)
@@ -292,6 +363,12 @@ def load_exported(export_dir: Path | str, device: str | None = None, verify: boo
     if verify and sha256_file(tensors) != record["files"].get(tensors.name):
         raise ValueError(f"{tensors} does not match its sha256 in {EXPORT_FILE}")
     device = device or record["device"]
-    loaded = load_model(record["source"], Path(record["base_dir"]), dtype=record["dtype"], device=device)
-    model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+    config = (record.get("model_files") or {}).get("config")
+    if config and (export_dir / config).is_file():
+        model, tokenizer = _empty_model(export_dir, record["dtype"], device)
+    else:
+        # The source's path is relative to the export directory; a factory imports from base_dir.
+        base = resolve_from(record["base_dir"], export_dir) if "factory" in record["source"] else export_dir
+        loaded = load_model(record["source"], base, dtype=record["dtype"], device=device)
+        model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
     return apply_state(model, tokenizer, record["state"], export_dir, device)

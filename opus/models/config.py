@@ -140,3 +140,38 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             moe_layers=[experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)],
         )
     return ModelConfig(**kw)
+
+
+def hf_config(cfg: ModelConfig) -> dict[str, Any] | None:
+    """A Hugging Face config.json (as a dict) that ``config_from_hf`` reads back to ``cfg`` exactly, or None
+    when the family's config keys cannot say it (e.g. a GGUF file whose biases no HF key of its family names).
+
+    What a GGUF source's export writes as its config.json (opus.export.native).
+    """
+    fam = layout.family(cfg.family)
+    raw: dict[str, Any] = {
+        "architectures": [fam.hf_architecture], "model_type": fam.model_type, "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_word_embeddings, "mlp_bias": cfg.mlp_bias,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
+    }
+    if fam.qkv_bias_key:
+        raw[fam.qkv_bias_key] = cfg.qkv_bias
+    if fam.o_bias_key:
+        raw[fam.o_bias_key] = raw.get(fam.o_bias_key, False) or cfg.o_bias  # one key for both: read back below
+    if fam.moe == "mixtral":
+        raw.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                   intermediate_size=cfg.moe_intermediate_size)
+    if fam.moe == "qwen":
+        raw.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                   moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[i for i, sparse in enumerate(cfg.moe_layers) if not sparse])
+        if fam.shared_expert:
+            raw["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    try:
+        return raw if config_from_hf(raw) == cfg else None
+    except (ModelLoadError, KeyError, TypeError, ValueError):
+        return None
