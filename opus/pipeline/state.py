@@ -39,17 +39,19 @@ def _marks(model: Any) -> dict[str, tuple[int, int]]:
     return {name: (t.data_ptr(), t._version) for name, t in model.state_dict(keep_vars=True).items()}
 
 
-def load_base(spec: PipelineSpec, base_dir: Path) -> tuple[Any, Any]:
+def load_base(spec: PipelineSpec, base_dir: Path, device: str | None = None) -> tuple[Any, Any]:
     from opus.models import load_model
 
-    loaded = load_model(spec.model.source(), base_dir, dtype=spec.model.dtype, device=spec.model.device)
+    loaded = load_model(spec.model.source(), base_dir, dtype=spec.model.dtype, device=device or spec.model.device)
     return loaded if isinstance(loaded, tuple) else (loaded, None)
 
 
-def materialize(checkpoint: Path | None, spec: PipelineSpec, base_dir: Path) -> Materialized:
+def materialize(checkpoint: Path | None, spec: PipelineSpec, base_dir: Path,
+                device: str | None = None) -> Materialized:
+    """A checkpoint's model (None: the base model), on ``device`` (default: the pipeline's)."""
     state = read_state(checkpoint, spec)
-    model, tokenizer = load_base(spec, base_dir)
-    return apply_state(model, tokenizer, state, checkpoint, spec.model.device)
+    model, tokenizer = load_base(spec, base_dir, device)
+    return apply_state(model, tokenizer, state, checkpoint, device or spec.model.device)
 
 
 def apply_state(model: Any, tokenizer: Any, state: dict[str, Any], tensors_dir: Path | None,
