@@ -97,6 +97,13 @@ class FastDecoder(nn.Module):
     def __init__(self, model: DecoderLM, quant: str | None = None, quant_experts: bool = True) -> None:
         super().__init__()
         cfg = model.config
+        unlike = [name for name, differs in (("sandwich norms", cfg.sandwich_norms), ("(1 + w) norms", cfg.norm_offset),
+                                             ("scaled embeddings", cfg.embed_scale),
+                                             ("another softmax scale", cfg.attn_scale is not None),
+                                             ("local RoPE base", cfg.rope_local_theta is not None),
+                                             (f"{cfg.hidden_act} MLP", cfg.hidden_act != "silu")) if differs]
+        if unlike:  # its layers are Llama-shaped: a model that is not would run wrong, not slow
+            raise ValueError(f"FastDecoder does not run {cfg.family} ({', '.join(unlike)})")
         self.config = cfg
         self.quant = quant
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

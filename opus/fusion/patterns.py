@@ -203,6 +203,8 @@ def rmsnorm_reason(module: nn.Module | None) -> str | None:
         return "not a module call"
     if type(module) is not RMSNorm:
         return f"{type(module).__name__}: RMSNorm semantics unknown (only Opus RMSNorm is rewritten)"
+    if module.offset:
+        return "a (1 + weight) RMSNorm (gemma3): no fused kernel scales that way"
     return None
 
 

@@ -19,6 +19,8 @@ class ModelLoadError(OpusError):
     exit_code = EXIT_INVALID
 
 
+# config.json's hidden_act / hidden_activation -> ModelConfig.hidden_act.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 # HF model_type -> Opus family, and the MoE families: both derived from the one family table.
 FAMILIES: dict[str, str] = layout.FAMILIES
 MOE_FAMILIES = layout.MOE_FAMILIES
@@ -56,12 +58,27 @@ class ModelConfig:
     # mistral / mixtral: attention sees at most this many keys. Within it, sliding-window attention is
     # full attention, so Opus runs only contexts that fit (opus.models.decoder.window_guard refuses longer).
     sliding_window: int | None = None
+    # Per layer: True where attention is local (the window, RoPE base rope_local_theta); gemma3 alternates
+    # local and global layers. Empty: every layer when sliding_window is set.
+    sliding_layers: list[bool] = field(default_factory=list)
+    rope_local_theta: float | None = None  # None: rope_theta
+    # gemma3: RMSNorm scales by (1 + weight); a norm on the attention and MLP outputs too (sandwich);
+    # embeddings times sqrt(hidden_size); softmax scale query_pre_attn_scalar ** -0.5.
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_tanh"
 
     def __post_init__(self) -> None:
         if self.num_experts and not self.moe_layers:
             self.moe_layers = [True] * self.num_layers
         if not self.num_experts:
             self.moe_layers = [False] * self.num_layers
+        if not self.sliding_layers:
+            self.sliding_layers = [self.sliding_window is not None] * self.num_layers
+        if self.hidden_act not in ACTIVATIONS.values():
+            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not supported ({', '.join(ACTIVATIONS)})")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})")
@@ -78,11 +95,37 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     Only the default RoPE is implemented: a scaled variant would silently change every logit.
     """
     params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # 5.x, one entry per layer type (gemma3)
+        params = params["full_attention"] or {}
     scaling = cfg.get("rope_scaling") or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         raise ModelLoadError(f"rope type {kind!r} is not supported (only the default RoPE is implemented)")
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _local_rope_theta(cfg: dict[str, Any]) -> float | None:
+    """The RoPE base of local (sliding-window) layers where it differs: 5.x ``rope_parameters`` by layer
+    type, 4.x ``rope_local_base_freq`` (gemma3)."""
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention")
+    if isinstance(local, dict):
+        if (local.get("rope_type") or "default") != "default":
+            raise ModelLoadError(f"rope type {local['rope_type']!r} of the sliding layers is not supported")
+        return float(local.get("rope_theta", 10000.0))
+    found = cfg.get("rope_local_base_freq")
+    return float(found) if found is not None else None
+
+
+def _sliding_layers(cfg: dict[str, Any], fam: layout.Family, layers: int) -> list[bool]:
+    """Which layers attend locally: ``layer_types``, else the family's every-Nth-layer-global pattern,
+    else every layer once a window is set."""
+    types = cfg.get("layer_types")
+    if types:
+        return [t == "sliding_attention" for t in types]
+    pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or fam.sliding_pattern)
+    if pattern:
+        return [(i + 1) % pattern != 0 for i in range(layers)]
+    return [bool(cfg.get("sliding_window"))] * layers
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -93,10 +136,17 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         raise ModelLoadError(
             f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILIES))}")
     family = fam.name
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
-    if cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or []):
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(f"hidden_act {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    if cfg.get("use_sliding_window") or (not fam.sliding_window_key
+                                         and "sliding_attention" in (cfg.get("layer_types") or [])):
         raise ModelLoadError("sliding-window attention is not supported")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelLoadError(f"{key} ({cfg[key]}) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError("bidirectional attention is not supported (a causal LM only)")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     layers = int(cfg["num_hidden_layers"])
     # Bias switches: a family reads them from its own config key, or fixes them (qwen2: q/k/v only).
@@ -114,7 +164,7 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(cfg),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", fam.tied)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=fam.qk_norm,
@@ -122,7 +172,18 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
         sliding_window=int(cfg["sliding_window"]) if fam.sliding_window_key and cfg.get("sliding_window") else None,
+        hidden_act=ACTIVATIONS[act],
     )
+    if kw["sliding_window"]:
+        kw["sliding_layers"] = _sliding_layers(cfg, fam, layers)
+        if len(kw["sliding_layers"]) != layers:
+            raise ModelLoadError(f"layer_types has {len(kw['sliding_layers'])} entries for {layers} layers")
+        local = _local_rope_theta(cfg)
+        kw["rope_local_theta"] = local if local is not None and local != kw["rope_theta"] else None
+    if fam.gemma:
+        scalar = cfg.get("query_pre_attn_scalar")
+        kw.update(norm_offset=True, sandwich_norms=True, embed_scale=True,
+                  attn_scale=float(scalar) ** -0.5 if scalar else None)
     if fam.moe == "mixtral":
         kw.update(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
                   moe_intermediate_size=kw["intermediate_size"], norm_topk_prob=True)

@@ -1,4 +1,5 @@
-"""One readable decoder-only LM for every supported family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE).
+"""One readable decoder-only LM for every supported family (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE,
+Gemma 3).
 
 Module names follow Hugging Face (``model.layers.N.self_attn.q_proj``, ``model.layers.N.mlp.gate``,
 ``model.layers.N.mlp.experts.E.gate_proj`` ...), so a layer name a user knows from HF means the same
@@ -44,16 +45,21 @@ class BeyondSlidingWindow(OpusError):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``offset`` (gemma3): the scale is ``1 + weight``, applied in fp32 before the cast back (Gemma3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale in the input dtype, exactly as transformers does.
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -69,9 +75,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin at ``positions``; ``theta`` another base (gemma3's local layers)."""
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)
+        inv_freq = 1.0 / ((self.theta if theta is None else theta)**exponent)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -118,6 +126,13 @@ def window_guard(k: torch.Tensor, window: int) -> torch.Tensor:
 
 
 @torch.fx.wrap
+def scale_embedding(h: torch.Tensor, scale: float) -> torch.Tensor:
+    """``h * scale`` with the scale rounded to ``h``'s dtype first, as Gemma3TextScaledWordEmbedding does
+    (in bfloat16, sqrt(1152) is 34.0). An fx leaf: the dtype is known only when it runs."""
+    return h * torch.tensor(scale, dtype=torch.float32, device=h.device).to(h.dtype)
+
+
+@torch.fx.wrap
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
            mask: torch.Tensor | None = None) -> torch.Tensor:
     # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
@@ -149,9 +164,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, kv_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, kv_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_dim, h, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.sliding_window = cfg.sliding_window
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.sliding_window = cfg.sliding_window if cfg.sliding_layers[layer_idx] else None
+        # A softmax scale other than 1/sqrt(head_dim) (gemma3's query_pre_attn_scalar) scales q instead, so
+        # every attention path (caches, fused, exported) stays plain scaled_dot_product_attention.
+        scale = 1.0 if cfg.attn_scale is None else cfg.attn_scale * cfg.head_dim**0.5
+        self.q_scale = None if scale == 1.0 else scale
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: object | None = None,
                 causal: bool = True) -> torch.Tensor:
@@ -163,6 +182,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         k, v = cache_update(cache, self.layer_idx, k, v)
         if self.sliding_window is not None:
             k = window_guard(k, self.sliding_window)
@@ -171,16 +192,20 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Also each MoE expert."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Also each MoE expert. ``act="gelu_tanh"``: GeGLU
+    with tanh-approximated GELU (gemma3's gelu_pytorch_tanh)."""
 
-    def __init__(self, hidden: int, inter: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, inter: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=bias)
         self.up_proj = nn.Linear(hidden, inter, bias=bias)
         self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.act == "gelu_tanh" else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class SparseMoE(nn.Module):
@@ -231,12 +256,20 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
         self.mlp: nn.Module = (SparseMoE(cfg) if cfg.moe_layers[layer_idx]
-                               else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+                               else MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act))
+        h, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(h, eps, offset)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
+        # Sandwich norms (gemma3): post_attention_layernorm then normalises the attention output, and the
+        # MLP has a norm on each side.
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, offset) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(h, eps, offset) if cfg.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: object | None = None,
                 causal: bool = True) -> torch.Tensor:
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, causal))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, causal)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -248,7 +281,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
 
 
@@ -273,13 +306,20 @@ class DecoderLM(nn.Module):
             # compiled graph (opus.kv.static) or one captured CUDA graph (opus.kv.cuda_graph).
             return cache.decode_step(self, input_ids, start_pos)  # type: ignore[attr-defined]
         h = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale:
+            h = scale_embedding(h, self.config.hidden_size**0.5)
         # A compiled step's positions: a tensor, never an int (set only on a static cache's DecodeView).
         given = None if cache is None else cache.positions  # type: ignore[attr-defined]
         positions = given if given is not None else torch.arange(start_pos, start_pos + t, device=input_ids.device)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
+        local = self.config.rope_local_theta
+        cos_local, sin_local = self.model.rotary_emb(positions, h.dtype, local) if local is not None else (cos, sin)
         causal = cache is None or (given is None and start_pos == 0)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, causal)
+        for i, layer in enumerate(self.model.layers):
+            if self.config.sliding_layers[i]:
+                h = layer(h, cos_local, sin_local, cache, causal)
+            else:
+                h = layer(h, cos, sin, cache, causal)
         if last_only:
             h = h[:, -1:, :]  # the lm_head is the biggest GEMM of a prefill: skip unused positions
         return self.lm_head(self.model.norm(h))

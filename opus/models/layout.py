@@ -46,7 +46,11 @@ class DecoderLayout:
     router: str = "gate"  # the MoE block's routing linear
     shared_expert_gate: str = "shared_expert_gate"
     input_norm: str = "input_layernorm"  # per layer, before attention
-    post_attention_norm: str = "post_attention_layernorm"  # per layer, before the MLP / MoE
+    post_attention_norm: str = "post_attention_layernorm"  # per layer, before the MLP / MoE (see mlp_norm)
+    # Sandwich norms (gemma3): post_attention_layernorm normalises the attention output, these two the MLP's
+    # input and output.
+    pre_feedforward_norm: str = "pre_feedforward_layernorm"
+    post_feedforward_norm: str = "post_feedforward_layernorm"
     embedding: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     rotary: str = "model.rotary_emb"
@@ -75,6 +79,11 @@ class DecoderLayout:
 
     def mlp_of(self, i: int) -> str:
         return f"{self.layer(i)}.{self.mlp}"
+
+    def mlp_norm(self, layer: nn.Module) -> str:
+        """The name of the norm that feeds a decoder layer's MLP / MoE (within the layer)."""
+        sandwich = getattr(layer, self.pre_feedforward_norm, None) is not None
+        return self.pre_feedforward_norm if sandwich else self.post_attention_norm
 
 
 DECODER = DecoderLayout()
@@ -183,6 +192,10 @@ class Family:
     sliding_window_key: bool = False  # a set "sliding_window" is used (no use_sliding_window flag), read as such
     gguf_norm_topk: bool = True  # llama.cpp's default for expert_weights_norm on this architecture
     gguf_permuted_qk: bool = False  # convert_hf_to_gguf permutes q/k rows (llama arch: interleaved RoPE)
+    sliding_pattern: int = 0  # without layer_types: every Nth layer global, the others local (gemma3: 6)
+    tied: bool = False  # tie_word_embeddings when config.json leaves it out
+    # gemma3: (1 + weight) RMSNorms, sandwich norms, sqrt(hidden)-scaled embeddings, query_pre_attn_scalar.
+    gemma: bool = False
 
 
 FAMILY_TABLE: tuple[Family, ...] = (
@@ -197,6 +210,8 @@ FAMILY_TABLE: tuple[Family, ...] = (
     # Llama plus a sliding window; llama.cpp files Mistral GGUFs under "llama" (no window): they load as llama.
     Family("mistral", "MistralForCausalLM", "mistral", None, qkv_bias_key=None, o_bias_key=None,
            sliding_window_key=True),
+    Family("gemma3", "Gemma3ForCausalLM", "gemma3_text", None, qk_norm=True, sliding_window_key=True,
+           sliding_pattern=6, tied=True, gemma=True),
 )
 _BY_NAME = {f.name: f for f in FAMILY_TABLE}
 # HF model_type -> Opus family name; the family decides the defaults the config.json may omit.

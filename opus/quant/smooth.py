@@ -34,7 +34,8 @@ def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
 
     Paths come from the layout table: per layer, the input norm feeds q/k/v, v feeds o, each SwiGLU's
     up feeds its down, and the post-attention norm feeds every reader of the MLP input (the router,
-    the shared-expert gate, every expert's gate/up).
+    the shared-expert gate, every expert's gate/up) — with sandwich norms (gemma3) the pre-feed-forward
+    norm does (``DECODER.mlp_norm``), and a (1 + w) norm takes the factor as (1 + w) / s - 1.
     """
     d = DECODER
     try:
@@ -58,7 +59,7 @@ def smooth_groups(model: nn.Module) -> list[SmoothGroup]:
         for prefix in swiglus:
             readers += [f"{prefix}.{n}" for n in d.gate_up]
             groups.append(SmoothGroup(f"{prefix}.{d.up_proj}", "rows", [f"{prefix}.{d.down_proj}"]))
-        groups.append(SmoothGroup(f"{d.layer(i)}.{d.post_attention_norm}", "norm", readers))
+        groups.append(SmoothGroup(f"{d.layer(i)}.{d.mlp_norm(layer)}", "norm", readers))
     return groups
 
 
@@ -129,7 +130,9 @@ def _fold(model: nn.Module, group: SmoothGroup, targets: list[str], s: torch.Ten
     source = model.get_submodule(group.source)
     if group.kind == "v_to_o" and rep > 1:
         s = _reduce_heads(s, rep, head_dim)
-    if group.kind == "norm":
+    if group.kind == "norm" and getattr(source, "offset", False):  # scales by 1 + weight (gemma3)
+        source.weight.copy_(((1.0 + source.weight.float()) / s - 1.0).to(source.weight.dtype))
+    elif group.kind == "norm":
         source.weight.div_(s.to(source.weight.dtype))
     else:  # rows of up_proj / v_proj produce the channels that are divided by s
         source.weight.div_(s.to(source.weight.dtype)[:, None])

@@ -38,6 +38,10 @@ FAMILY_CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
                        norm_topk_prob=True)),
     # A window longer than the parity tests' 12 tokens: Opus runs Mistral within its window only.
     "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(intermediate_size=96, sliding_window=16)),
+    # One local and one global layer (RoPE bases 1e4 and 1e6), a softmax scale 256 ** -0.5 unlike head_dim's.
+    "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+               dict(intermediate_size=96, head_dim=16, sliding_window=16, query_pre_attn_scalar=256,
+                    layer_types=["sliding_attention", "full_attention"])),
 }
 
 

@@ -132,7 +132,7 @@ def test_unsupported_model_type_lists_the_families(project: Path, capsys: pytest
     edit(project / "model" / "config.json", '"model_type": "llama"', '"model_type": "gpt2"')
     err = check(capsys, project / "p.yaml")
     assert err.endswith(f"p.yaml:3: model.hf: {project}/model/config.json: unsupported model_type 'gpt2'; "
-                        "supported: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe")
+                        "supported: gemma3_text, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe")
 
 
 def test_config_json_missing_broken_or_implausible(project: Path, capsys: pytest.CaptureFixture) -> None:

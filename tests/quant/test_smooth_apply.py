@@ -102,3 +102,21 @@ def test_checkpoints_with_the_older_transposed_int8_weight_still_load(tmp_path) 
     state = {"recipe": [step], "tensors": "tensors.safetensors"}
     loaded = apply_state(tiny_decoder("llama"), None, state, tmp_path, "cpu")
     assert torch.equal(loaded.model(data), out)
+
+
+@torch.no_grad()
+def test_smoothing_is_exact_for_gemma3_norms(tmp_path) -> None:  # noqa: ANN001
+    """(1 + w) norms take the factor as (1 + w) / s - 1; the MLP's input is the pre-feed-forward norm's."""
+    from opus.models import load_model
+    from tests.models.opus_model_kit import make_hf, save_hf
+
+    model, _ = load_model({"hf": str(save_hf(make_hf("gemma3"), tmp_path / "g"))})
+    sources = {g.source: g.kind for g in smooth_groups(model)}
+    assert sources["model.layers.0.pre_feedforward_layernorm"] == "norm"
+    assert "model.layers.0.post_attention_layernorm" not in sources  # it normalises the attention output
+    data = blocks(t=16, vocab=97)  # within the kit's sliding window
+    ref = model(data)
+    before = model.model.layers[0].pre_feedforward_layernorm.weight.clone()
+    alphas = apply_smoothing(model, collect_stats(model, data), smooth_groups(model))
+    assert alphas and not torch.equal(model.model.layers[0].pre_feedforward_layernorm.weight, before)
+    assert torch.allclose(model(data), ref, atol=2e-4, rtol=1e-4)
