@@ -224,7 +224,7 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 
 def export_graph(model: nn.Module, path: Path, geo: dict[str, Any], last_only: bool) -> None:
     """Trace ``KVDecoder(model)`` with dynamic batch, seq and past lengths into ``path`` (+ external data)."""
-    from opus.export.onnx_ops import int4_translations, rewrite
+    from opus.export.onnx_ops import int4_translations, optimize, rewrite
     from opus.quant.formats.w8a8 import int8_activations_at_every_size
 
     device, dtype = next(model.parameters()).device, model_dtype(model)
@@ -242,9 +242,11 @@ def export_graph(model: nn.Module, path: Path, geo: dict[str, Any], last_only: b
     with export_view(model) as swapped, torch.no_grad(), int8_activations_at_every_size():
         if not swapped:
             raise ValueError("no attention module calls opus.models.decoder.attend: the padding mask has no way in")
-        torch.onnx.export(wrapper, example, str(path), dynamo=True, input_names=inputs, output_names=outputs,
-                          dynamic_shapes=dims, external_data=True, verbose=False,
-                          custom_translation_table={**onnx_translations(), **int4_translations()})
+        program = torch.onnx.export(wrapper, example, dynamo=True, input_names=inputs, output_names=outputs,
+                                    dynamic_shapes=dims, optimize=False, verbose=False,
+                                    custom_translation_table={**onnx_translations(), **int4_translations()})
+    optimize(program.model)
+    program.save(str(path), external_data=True)
     rewrite(path, {"attention_mask": {1: TOTAL}}, float32=dtype == torch.bfloat16)
 
 

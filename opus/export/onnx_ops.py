@@ -23,13 +23,17 @@ from typing import Any
 
 import torch
 
+FLOAT, BF16 = 1, 16  # onnx.TensorProto data types
 BLOCK_N = 64  # rows per block of torch's CPU int4 packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp)
 
 
-def int4_translations() -> dict[Any, Callable[..., Any]]:
+def int4_translations(matmul_nbits: bool = True) -> dict[Any, Callable[..., Any]]:
     import numpy as np
     import onnx_ir as ir
     from onnxscript import opset18 as op
+    from onnxscript.values import Op, Opset
+
+    matmul_nbits_op = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
 
     def unpack(weight: Any) -> Any:
         """The kernel's packed ``[n, k / 2]`` bytes -> ``[n, k]`` nibbles (no Slice: the exporter's
@@ -54,25 +58,72 @@ def int4_translations() -> dict[Any, Callable[..., Any]]:
             parts.append(op.Transpose(op.Reshape(pairs, op.Constant(value_ints=[k, tail])), perm=[1, 0]))
         return parts[0] if len(parts) == 1 else op.Concat(*parts, axis=0)
 
+    def c(values: list[int]) -> Any:
+        return op.Constant(value_ints=values)
+
     def int4_mm(x: Any, weight: Any, group_size: int, scales_and_zeros: Any) -> Any:
         n, k = int(weight.shape[0]), 2 * int(weight.shape[1])
-        q = op.Reshape(op.Cast(unpack(weight), to=1), op.Constant(value_ints=[n, k // group_size, group_size]))
-        sz = op.Cast(op.Cast(scales_and_zeros, to=16), to=1)  # the kernel reads bf16 scales and zeros
-        scale = op.Unsqueeze(op.Transpose(op.Gather(sz, op.Constant(value_int=0), axis=2), perm=[1, 0]),
-                             op.Constant(value_ints=[2]))
-        zero = op.Unsqueeze(op.Transpose(op.Gather(sz, op.Constant(value_int=1), axis=2), perm=[1, 0]),
-                            op.Constant(value_ints=[2]))
-        eight = op.Constant(value=ir.tensor(np.array(8.0, np.float32)))
-        w = op.Reshape(op.Add(op.Mul(op.Sub(q, eight), scale), zero), op.Constant(value_ints=[n, k]))
-        x32 = op.Cast(op.Cast(x, to=16), to=1)
-        out = op.Cast(op.MatMul(x32, op.Transpose(w, perm=[1, 0])), to=16)  # bf16, as the kernel returns
-        return op.CastLike(out, x)
+        groups = k // group_size
+        sz = op.Cast(op.Cast(scales_and_zeros, to=BF16), to=FLOAT)  # the kernel reads bf16 scales and zeros
+        scale = op.Gather(sz, op.Constant(value_int=0), axis=2)  # [groups, n]
+        zero = op.Gather(sz, op.Constant(value_int=1), axis=2)
+        x32 = op.Cast(op.Cast(x, to=BF16), to=FLOAT)  # and bf16 activations
+        if not matmul_nbits:
+            q = op.Reshape(op.Cast(unpack(weight), to=FLOAT), c([n, groups, group_size]))
+            eight = op.Constant(value=ir.tensor(np.array(8.0, np.float32)))
+            per_row = (op.Unsqueeze(op.Transpose(t, perm=[1, 0]), c([2])) for t in (scale, zero))
+            w = op.Reshape(op.Add(op.Mul(op.Sub(q, eight), next(per_row)), next(per_row)), c([n, k]))
+            out = op.MatMul(x32, op.Transpose(w, perm=[1, 0]))
+        else:
+            # MatMulNBits computes x @ ((q - 8) * scale)^T (its default zero point is 8), nibbles paired along
+            # k, low nibble first; the zeros add sum(x over each group) @ zero.
+            pairs = op.Reshape(unpack(weight), c([n, k // 2, 2]))
+            low, high = (op.Gather(pairs, op.Constant(value_int=i), axis=2) for i in (0, 1))
+            four = op.Constant(value=ir.tensor(np.array(4, np.uint8)))
+            blob = op.Reshape(op.BitwiseOr(low, op.BitShift(high, four, direction="LEFT")),
+                              c([n, groups, group_size // 2]))
+            scales = op.Reshape(op.Transpose(scale, perm=[1, 0]), c([-1]))
+            main = matmul_nbits_op(x32, blob, scales, K=k, N=n, bits=4, block_size=group_size)
+            sums = op.ReduceSum(op.Reshape(x32, c([-1, groups, group_size])), c([2]), keepdims=0)
+            out = op.Add(main, op.MatMul(sums, zero))
+        return op.CastLike(op.Cast(out, to=BF16), x)  # rounded to bf16, as the kernel returns
 
     table: dict[Any, Callable[..., Any]] = {torch.ops.aten._weight_int4pack_mm_for_cpu.default: int4_mm}
     import opus.quant.formats.w4a16  # noqa: F401 - registers opus::int4_mm_cpu
 
     table[torch.ops.opus.int4_mm_cpu.default] = int4_mm
     return table
+
+
+def _matmul_nbits_schema() -> Any:
+    """onnxruntime's com.microsoft MatMulNBits (inputs and attributes used here), which ONNX does not register."""
+    from onnx.defs import OpSchema
+
+    param = OpSchema.FormalParameter
+    ints = OpSchema.AttrType.INT
+    return OpSchema(
+        "MatMulNBits", "com.microsoft", 1,
+        inputs=[param("A", "T1"), param("B", "T2"), param("scales", "T1")], outputs=[param("Y", "T1")],
+        type_constraints=[("T1", ["tensor(float)", "tensor(float16)"], ""), ("T2", ["tensor(uint8)"], "")],
+        attributes=[OpSchema.Attribute(name, ints, "") for name in ("K", "N", "bits", "block_size")])
+
+
+def optimize(model: Any) -> None:
+    """What the exporter's optimizer does (onnxscript ``optimize_ir``) but its pattern rewrites, in place on an
+    ``onnx_ir`` model: one of them (SlicesSplit) scans the whole graph for every node, quadratic in the node
+    count — minutes on a quantized MoE — and onnxruntime rewrites the graph itself when a session loads."""
+    from onnx_ir.passes import common
+    from onnxscript.optimizer import fold_constants
+
+    common.InlinePass()(model)
+    for _ in range(2):
+        fold_constants(model, onnx_shape_inference=True)
+        common.RemoveUnusedNodesPass()(model)
+    for step in (common.RemoveUnusedFunctionsPass(), common.RemoveUnusedOpsetsPass(),
+                 common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+                 common.LiftSubgraphInitializersToMainGraphPass(), common.DeduplicateInitializersPass(),
+                 common.CommonSubexpressionEliminationPass(), common.OutputFixPass(), common.NameFixPass()):
+        step(model)
 
 
 def rewrite(path: Path, dim_names: dict[str, dict[int, str]], float32: bool) -> None:
