@@ -23,7 +23,8 @@ from opus.export.onnx_check import OrtDecoder
 from opus.export.onnx_kv import ERROR_FILE, META_FILE, export_onnx
 from opus.models.decoder import Attention, RotaryEmbedding
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fusion"))
+TESTS = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(TESTS / "fusion"), str(TESTS / "models")]  # fusion_kit, opus_model_kit
 from fusion_kit import prompts, tiny_lm  # noqa: E402
 
 # The README's loop, verbatim: numpy, onnxruntime and tokenizers only (test_readme_loop runs this text).
@@ -186,26 +187,20 @@ def test_w4a16_weights_dequantized_in_the_graph(tmp_path: Path) -> None:
 
 
 def test_sliding_window_beyond_the_window_matches_transformers(tmp_path: Path) -> None:
-    """Opus's torch decoder refuses to attend past a sliding window; the graph applies the window, as
-    transformers' Mistral does: its logits match at every position, prefilled and decoded past the window."""
-    import transformers as tf
+    """Opus's torch decoder refuses to attend past a sliding window; the graph applies the window as
+    transformers does. Gemma 3 (one local layer with its own RoPE base, one global; embedding scale, q/k and
+    sandwich norms): the logits match at every position, decoded one by one and prefilled, past the window."""
+    from opus_model_kit import VOCAB, make_hf, save_hf
 
     from opus.models import load_model
 
-    torch.manual_seed(0)
-    cfg = tf.MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6)
-    hf = tf.MistralForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.3 * torch.randn_like(p))
-    hf.save_pretrained(tmp_path / "hf")
-    model, _ = load_model({"hf": str(tmp_path / "hf")}, ".")
+    hf = make_hf("gemma3", sliding_window=6)
+    model, _ = load_model({"hf": str(save_hf(hf, tmp_path / "hf"))}, ".")
     outcome = export_onnx(model, None, {}, tmp_path, settings(input_len=5, prompt_len=5, greedy_tokens=2))
     assert_parity(outcome)  # within the window, against Opus's torch decoder
     meta = json.loads((tmp_path / "onnx" / META_FILE).read_text())
     decoder = OrtDecoder(ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx")), meta)
-    ids = torch.randint(0, 61, (1, 15))
+    ids = torch.randint(0, VOCAB, (1, 15), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         expected = hf(ids).logits[0].numpy()
     _, decoded, _ = decoder.generate(ids[:, :3].numpy(), 13, forced=ids[:, 3:].numpy())
