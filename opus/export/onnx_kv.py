@@ -20,9 +20,9 @@ wrapped to give cos/sin ``[batch, 1, seq, head_dim]`` from ``position_ids``) and
 attention module run as a copy of its fx graph whose ``attend`` reads a ``[batch, 1, seq, past+seq]``
 mask: slot-causal and ``attention_mask``, a token always seeing itself so a padded row never softmaxes
 over nothing). A sliding-window layer, which Opus's torch decoder runs only within its window, gets
-the window in its mask, as transformers applies it (tests check against its Mistral). Int4 weights
-(``w4a16``) are dequantized in the graph, and a bfloat16 graph is rewritten to compute in float32 —
-onnxruntime's CPU kernels have no bf16 — its weights kept bf16 on disk (``opus.export.onnx_ops``).
+the window in its mask, as transformers applies it (tests check against its Gemma 3). Int4 weights
+(``w4a16``) run as onnxruntime's MatMulNBits, and a bfloat16 graph is rewritten to compute in float32
+— onnxruntime's CPU kernels have no bf16 — its weights kept bf16 on disk (``opus.export.onnx_ops``).
 Parity, P and D: ``opus.export.onnx_check``.
 """
 

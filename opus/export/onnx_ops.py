@@ -1,18 +1,19 @@
-"""ONNX pieces the KV-cache export adds: int4 weights dequantized in the graph, and bf16 graphs run in float32.
+"""ONNX pieces the KV-cache export adds: int4 weights for onnxruntime, bf16 graphs run in float32, the optimizer.
 
 ``int4_translations``: W4A16 layers call torch's CPU int4 GEMM (``aten._weight_int4pack_mm_for_cpu``, or
 ``opus::int4_mm_cpu`` under compile and export), whose weight is in the kernel's packed layout:
 rows in blocks of 64, for each input channel k 32 bytes, byte n = row n (low nibble) | row n + 32
 (high nibble); the rows past the last full block (a multiple of 16) pairwise, byte j = row 2j | row
-2j + 1. The graph unpacks the nibbles, dequantizes them as the kernel does, ``(q - 8) * scale + zero``
-per group of input channels with bf16 scales, and multiplies in float32 with the activation rounded
-to bf16 and the result rounded to bf16 — what the kernel computes (tests/export checks the layout and
-the result against the kernel). onnxruntime folds the dequantization into a float32 weight when the
-session loads: the file stays int4, the session's memory does not.
+2j + 1. The graph unpacks the nibbles and repacks them as onnxruntime's ``com.microsoft.MatMulNBits``
+reads them (pairs along k, low nibble first; onnxruntime folds this at load, so the session keeps
+4-bit weights). The kernel computes ``x @ ((q - 8) * scale + zero)`` per group of input channels,
+with bf16 activations, scales and zeros and a bf16 result; the graph computes ``MatMulNBits(x)``
+(zero point 8) plus ``sum(x over each group) @ zero``, in float32 between the same bf16 roundings
+(tests/export: full blocks and tails, against the kernel through a quantized model).
 
 ``compute_in_float32``: onnxruntime's CPU provider has almost no bfloat16 kernels, so a graph exported
-from a bf16 model is rewritten in place: every bf16 value becomes float32 (inputs, outputs, Cast
-targets, constants), bf16 initializers stay bf16 in the external data file and are cast once at load.
+from a bf16 model is rewritten: every bf16 value becomes float32 (inputs, outputs, Cast targets,
+constants), bf16 initializers stay bf16 in the external data file and are cast once at load.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ FLOAT, BF16 = 1, 16  # onnx.TensorProto data types
 BLOCK_N = 64  # rows per block of torch's CPU int4 packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp)
 
 
-def int4_translations(matmul_nbits: bool = True) -> dict[Any, Callable[..., Any]]:
+def int4_translations() -> dict[Any, Callable[..., Any]]:
     import numpy as np
     import onnx_ir as ir
     from onnxscript import opset18 as op
     from onnxscript.values import Op, Opset
 
-    matmul_nbits_op = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
+    matmul_nbits = Op(Opset("com.microsoft", 1), "MatMulNBits", _matmul_nbits_schema())
 
     def unpack(weight: Any) -> Any:
-        """The kernel's packed ``[n, k / 2]`` bytes -> ``[n, k]`` nibbles (no Slice: the exporter's
-        optimizer pairs Slice nodes by brute force, quadratic in their number)."""
+        """The kernel's packed ``[n, k / 2]`` bytes -> ``[n, k]`` nibbles."""
         n, half_k = (int(d) for d in weight.shape)
         k, main, tail = 2 * half_k, n // BLOCK_N * BLOCK_N, n % BLOCK_N
         low = op.BitwiseAnd(weight, op.Constant(value=ir.tensor(np.array(15, np.uint8))))
@@ -68,24 +68,16 @@ def int4_translations(matmul_nbits: bool = True) -> dict[Any, Callable[..., Any]
         scale = op.Gather(sz, op.Constant(value_int=0), axis=2)  # [groups, n]
         zero = op.Gather(sz, op.Constant(value_int=1), axis=2)
         x32 = op.Cast(op.Cast(x, to=BF16), to=FLOAT)  # and bf16 activations
-        if not matmul_nbits:
-            q = op.Reshape(op.Cast(unpack(weight), to=FLOAT), c([n, groups, group_size]))
-            eight = op.Constant(value=ir.tensor(np.array(8.0, np.float32)))
-            per_row = (op.Unsqueeze(op.Transpose(t, perm=[1, 0]), c([2])) for t in (scale, zero))
-            w = op.Reshape(op.Add(op.Mul(op.Sub(q, eight), next(per_row)), next(per_row)), c([n, k]))
-            out = op.MatMul(x32, op.Transpose(w, perm=[1, 0]))
-        else:
-            # MatMulNBits computes x @ ((q - 8) * scale)^T (its default zero point is 8), nibbles paired along
-            # k, low nibble first; the zeros add sum(x over each group) @ zero.
-            pairs = op.Reshape(unpack(weight), c([n, k // 2, 2]))
-            low, high = (op.Gather(pairs, op.Constant(value_int=i), axis=2) for i in (0, 1))
-            four = op.Constant(value=ir.tensor(np.array(4, np.uint8)))
-            blob = op.Reshape(op.BitwiseOr(low, op.BitShift(high, four, direction="LEFT")),
-                              c([n, groups, group_size // 2]))
-            scales = op.Reshape(op.Transpose(scale, perm=[1, 0]), c([-1]))
-            main = matmul_nbits_op(x32, blob, scales, K=k, N=n, bits=4, block_size=group_size)
-            sums = op.ReduceSum(op.Reshape(x32, c([-1, groups, group_size])), c([2]), keepdims=0)
-            out = op.Add(main, op.MatMul(sums, zero))
+        # MatMulNBits computes x @ ((q - 8) * scale)^T (its default zero point is 8); the zeros add
+        # sum(x over each group) @ zero.
+        pairs = op.Reshape(unpack(weight), c([n, k // 2, 2]))
+        low, high = (op.Gather(pairs, op.Constant(value_int=i), axis=2) for i in (0, 1))
+        four = op.Constant(value=ir.tensor(np.array(4, np.uint8)))
+        blob = op.Reshape(op.BitwiseOr(low, op.BitShift(high, four, direction="LEFT")), c([n, groups, group_size // 2]))
+        scales = op.Reshape(op.Transpose(scale, perm=[1, 0]), c([-1]))
+        main = matmul_nbits(x32, blob, scales, K=k, N=n, bits=4, block_size=group_size)
+        sums = op.ReduceSum(op.Reshape(x32, c([-1, groups, group_size])), c([2]), keepdims=0)
+        out = op.Add(main, op.MatMul(sums, zero))
         return op.CastLike(op.Cast(out, to=BF16), x)  # rounded to bf16, as the kernel returns
 
     table: dict[Any, Callable[..., Any]] = {torch.ops.aten._weight_int4pack_mm_for_cpu.default: int4_mm}

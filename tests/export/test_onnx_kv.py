@@ -171,9 +171,10 @@ def test_bf16_model_runs_in_float32_on_onnxruntime(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "onnx" / META_FILE).read_text())["kv_dtype"] == "float32"
 
 
-def test_w4a16_weights_dequantized_in_the_graph(tmp_path: Path) -> None:
-    """down_proj (96 outputs: a 64-row block of the kernel's packing and a pairwise tail) and gate/up (256: four
-    blocks) are dequantized in the graph; the small q/k/v/o weights the exporter folds into constants."""
+def test_w4a16_weights_run_as_matmulnbits(tmp_path: Path) -> None:
+    """The kernel's packed int4 weights, unpacked in the graph for onnxruntime's MatMulNBits: down_proj (96
+    outputs: a 64-row block of the packing and a pairwise tail), gate/up (256: four blocks); the exporter
+    folds the small q/k/v/o weights' unpacking into constants."""
     from opus.quant.apply import quantize_model
 
     model = tiny_lm("llama", layers=1, hidden_size=96, intermediate_size=256)
@@ -182,7 +183,8 @@ def test_w4a16_weights_dequantized_in_the_graph(tmp_path: Path) -> None:
     outcome = export_onnx(model, None, {"recipe": [step]}, tmp_path, settings())
     assert_parity(outcome, 0.05)  # the kernel rounds to bf16; one bf16 ulp of a logit is about 0.03
     graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
-    assert any(n.op_type == "BitShift" for n in graph.node)
+    ops = [(n.domain, n.op_type) for n in graph.node]
+    assert ops.count(("com.microsoft", "MatMulNBits")) == len(linears) and ("", "BitShift") in ops
     assert any(init.data_type == onnx.TensorProto.UINT8 for init in graph.initializer)  # packed int4 on disk
 
 
