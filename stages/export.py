@@ -1,9 +1,12 @@
-"""export: the current model to ONNX (checked in onnxruntime: parity, P, D) and to safetensors + recipe.
+"""export: the current model to the formats other tools load, each checked where it lands.
 
-The export directory (default: this stage's ``artifacts/export``) reloads without the run directory
-through ``opus.export.native.load_exported(dir)``. A model ONNX cannot express (e.g. a custom quantized
-module) gives ``onnx_exported: 0`` and the reason in the stage info; the run goes on. ONNX P is a
-greedy loop without a KV cache (``new_tokens`` tokens), D one full forward of ``input_len`` tokens.
+The export directory (default: this stage's ``artifacts/export``) holds the native export
+(safetensors + recipe; ``opus.export.native.load_exported(dir)``) and one entry per target:
+``hf/`` (Hugging Face + compressed-tensors, loaded back in transformers and its logits compared),
+``gguf/`` (the plan's per-tensor GGUF types, for llama.cpp) and the ONNX graph (checked in
+onnxruntime: parity, P, D). Each target reports ``<target>_exported`` (1/0, so a gate can require
+it) and, when not exported, the reason, as a warning on the console line and in the report; the run
+goes on.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from opus.pipeline.context import StageContext, StageResult
 
 VERSION = "1"
 ROLE = "export"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
-METRICS = frozenset({"export_tensors_mb", "onnx_exported", "onnx_file_mb", "onnx_max_abs_diff",
-                     "onnx_next_token_agreement", "onnx_greedy_agreement", "onnx_ttft_ms",
-                     "onnx_throughput_tok_s"})
+METRICS = frozenset({
+    "export_tensors_mb",
+    "hf_exported", "hf_file_mb", "hf_loads_in_transformers", "hf_max_abs_diff", "hf_next_token_agreement",
+    "gguf_exported", "gguf_file_mb",
+    "onnx_exported", "onnx_file_mb", "onnx_max_abs_diff", "onnx_next_token_agreement", "onnx_greedy_agreement",
+    "onnx_ttft_ms", "onnx_throughput_tok_s"})
 
 
 class Config(BaseModel):
@@ -25,6 +31,8 @@ class Config(BaseModel):
     dir: str | None = Field(None, description="export directory, relative to the pipeline file "
                                               "(default: this stage's artifacts/export)")
     onnx: bool = True
+    hf: bool = Field(True, description="Hugging Face directory with compressed-tensors (transformers, vLLM)")
+    gguf: bool = Field(True, description="GGUF with the plan's per-tensor types (llama.cpp)")
     prompts: list[str] = Field(default_factory=lambda: ["def main():\n", "import os\nimport sys\n",
                                                         "The quick brown fox"], min_length=1)
     greedy_tokens: int = Field(8, ge=1, description="greedy continuation compared torch vs onnxruntime")
@@ -43,7 +51,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     final = (ctx.base_dir / cfg.dir) if cfg.dir else ctx.artifact_dir / "export"
     settings = ExportSettings(
         source=loaded.state["source"], base_dir=ctx.base_dir, dtype=spec.model.dtype, device=spec.model.device,
-        onnx=cfg.onnx, prompts=list(cfg.prompts), greedy_tokens=cfg.greedy_tokens,
+        onnx=cfg.onnx, hf=cfg.hf, gguf=cfg.gguf, prompts=list(cfg.prompts), greedy_tokens=cfg.greedy_tokens,
         batch_size=cfg.batch_size or workload.batch_size, input_len=cfg.input_len or workload.input_len,
         new_tokens=cfg.new_tokens, warmup=workload.warmup, repeats=workload.repeats,
         threads=cfg.threads or spec.run.threads, last_only=cfg.last_only,
@@ -51,9 +59,13 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
     # Inside the checkpoint the directory is still temporary: record where it will be once committed.
     info["export_dir"] = str(final) if cfg.dir else f"{ctx.stage_id} checkpoint: artifacts/export"
+    from opus.atomic import write_json
+    from opus.export.targets import EXPORTS_FILE
+
+    write_json(ctx.artifact_dir / EXPORTS_FILE, {"export_dir": info["export_dir"], "targets": info["targets"]})
     warnings = []
-    if info.get("onnx_error"):
-        ctx.log(f"ONNX: {info['onnx_error']}")
-        warnings.append(f"ONNX not exported ({info['onnx_error']}); the safetensors + recipe export is "
-                        f"there ({info['export_dir']})")
+    for name, target in info["targets"].items():
+        if not target["exported"]:
+            ctx.log(f"{name}: not exported: {target['reason']}")
+            warnings.append(f"{name} not exported ({target['reason']})")
     return StageResult(metrics=metrics, info=info, warnings=warnings)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -313,6 +314,8 @@ def export_gguf(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir
         return TargetOutcome("gguf", False, reason=f"GGUF writing failed: {one_line(exc)}")
     finally:
         path.with_name(path.name + ".tmp").unlink(missing_ok=True)
+        if not path.is_file():
+            shutil.rmtree(path.parent, ignore_errors=True)  # nothing half-written is left to look like an export
     info["recipe_steps"] = len(state.get("recipe", []))
     return TargetOutcome("gguf", True, path=FILE, metrics={"gguf_file_mb": path.stat().st_size / 2**20},
                          info=info, layers_not_as_planned=not_as_planned)

@@ -1,18 +1,19 @@
-"""Export the current model: ONNX (dynamo exporter) checked against torch in onnxruntime, and
-safetensors + recipe that ``load_exported(dir)`` rebuilds without the run directory.
+"""The export directory, its native part, and the targets that write beside it.
 
-An export directory holds::
+``export_model`` writes (built beside ``final``, swapped in whole)::
 
     opus-export.json      source (paths relative to this directory), dtype, recipe, aliases, sha256 of every
-                          file, metrics
+                          file, metrics, and per target whether it was exported, why not, where
     tensors.safetensors   the full state dict (shared storages once), so the base weights may change
     config.json, tokenizer.json, ...  the model's config and tokenizer (``write_model_files``): with the
                           tensors, all ``load_exported`` needs; the directory loads wherever it is moved
-    model.onnx(.data)     input_ids [batch, seq] int64 -> logits float32 (absent if export failed)
+    hf/                   Hugging Face + compressed-tensors (``opus.export.hf``)
+    gguf/model.gguf       the plan's per-tensor GGUF types (``opus.export.gguf_mix``)
+    onnx/                 a KV-cache decoder graph for onnxruntime (``opus.export.onnx_kv``)
 
-ONNX P is measured by a greedy loop *without* a KV cache — each new token re-runs the whole
-sequence, as the exported graph has no cache inputs — so it is a lower bound on what an ORT
-deployment with a cache reaches. ONNX D is one full forward of a single request of ``input_len``.
+A target that cannot represent the model reports why (``opus.export.targets.TargetOutcome``); the
+others are still written. ``LogitsOnly``/``export_onnx`` here are the no-cache graph ``opus bench``'s
+onnxruntime contenders time.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ from __future__ import annotations
 import inspect
 import re
 import shutil
-import statistics
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from opus.atomic import read_json, sha256_file, write_json, write_text
+from opus.export.targets import TargetOutcome
 from opus.pipeline.checkpoint import commit as swap_in
 from opus.pipeline.checkpoint import new_temp_dir
 from opus.pipeline.run_files import relative_path, resolve_from
@@ -41,15 +40,11 @@ from opus.pipeline.state import Materialized, apply_state, changed_tensors
 EXPORT_FILE = "opus-export.json"
 ONNX_FILE = "model.onnx"
 TENSORS_FILE = "tensors.safetensors"
-ERROR_FILE = "onnx_error.txt"
 # What write_model_files copies from an hf source: what rebuilds the model and its tokenizer (small files).
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
                "chat_template.jinja", "chat_template.json")
 FORMAT_VERSION = 1
-P_METHOD = ("greedy loop without KV cache (a full-sequence forward per generated token) on onnxruntime; "
-            "tokens/s = batch x new_tokens / seconds")
-D_METHOD = "one full-sequence forward of a single request of input_len tokens on onnxruntime"
 
 
 class LogitsOnly(nn.Module):
@@ -85,6 +80,8 @@ class ExportSettings:
     dtype: str = "float32"
     device: str = "cpu"
     onnx: bool = True
+    hf: bool = True  # Hugging Face directory with compressed-tensors (opus.export.hf)
+    gguf: bool = True  # GGUF with the plan's per-tensor types (opus.export.gguf_mix)
     prompts: list[str] = field(default_factory=lambda: ["def main():\n", "import os\nimport sys\n"])
     prompt_len: int = 16  # random prompts of this length when the model has no tokenizer
     greedy_tokens: int = 8
@@ -150,62 +147,6 @@ def ort_session(path: Path, device: str, threads: int | None) -> Any:
     return ort.InferenceSession(str(path), options, providers=providers)
 
 
-def _greedy(step: Callable[[np.ndarray], np.ndarray], ids: np.ndarray, n: int) -> np.ndarray:
-    for _ in range(n):
-        nxt = step(ids)[:, -1].argmax(-1)
-        ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
-    return ids
-
-
-def parity(wrapper: nn.Module, session: Any, prompts: list[torch.Tensor], greedy_tokens: int) -> dict[str, float]:
-    """Max |logits difference| (torch vs ORT), next-token agreement, greedy-continuation agreement."""
-    from opus.quant.formats.w8a8 import int8_activations_at_every_size
-
-    def torch_step(ids: np.ndarray) -> np.ndarray:
-        with torch.no_grad(), int8_activations_at_every_size():
-            return wrapper(torch.from_numpy(ids).to(device)).cpu().numpy()
-
-    def ort_step(ids: np.ndarray) -> np.ndarray:
-        return session.run(["logits"], {"input_ids": ids})[0]
-
-    device = next(wrapper.parameters()).device
-    max_diff, next_agree, cont_agree, cont_total = 0.0, 0, 0, 0
-    for prompt in prompts:
-        ids = prompt.cpu().numpy().astype(np.int64)
-        ref, out = torch_step(ids), ort_step(ids)
-        max_diff = max(max_diff, float(np.abs(out - ref).max()))
-        next_agree += int(out[0, -1].argmax() == ref[0, -1].argmax())
-        a = _greedy(torch_step, ids, greedy_tokens)[:, ids.shape[1]:]
-        b = _greedy(ort_step, ids, greedy_tokens)[:, ids.shape[1]:]
-        cont_agree, cont_total = cont_agree + int((a == b).sum()), cont_total + a.size
-    return {"onnx_max_abs_diff": max_diff, "onnx_next_token_agreement": next_agree / len(prompts),
-            "onnx_greedy_agreement": cont_agree / max(cont_total, 1)}
-
-
-def _median_s(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_ort(session: Any, vocab: int, s: ExportSettings) -> dict[str, float]:
-    rng = np.random.default_rng(s.seed)
-    single = rng.integers(0, vocab, (1, s.input_len), dtype=np.int64)
-    batch = rng.integers(0, vocab, (s.batch_size, s.input_len), dtype=np.int64)
-
-    def step(ids: np.ndarray) -> np.ndarray:
-        return session.run(["logits"], {"input_ids": ids})[0]
-
-    ttft = _median_s(lambda: step(single), s.warmup, s.repeats)
-    loop = _median_s(lambda: _greedy(step, batch, s.new_tokens), min(s.warmup, 1), s.repeats)
-    return {"onnx_ttft_ms": ttft * 1000, "onnx_throughput_tok_s": s.batch_size * s.new_tokens / loop}
-
-
 def _relative_source(source: dict[str, Any], base_dir: Path, export_dir: Path) -> dict[str, Any]:
     """The model source with its path relative to the export directory (where it was when exported)."""
     out = dict(source)
@@ -261,37 +202,45 @@ def one_line(exc: BaseException) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), type(root).__name__)[:400]
 
 
-def _try_onnx(model: nn.Module, tokenizer: Any, out: Path, s: ExportSettings) -> tuple[dict, dict]:
-    metrics: dict[str, Any] = {"onnx_exported": 0}
-    info: dict[str, Any] = {}
+def _hf(*args: Any) -> TargetOutcome:
+    from opus.export.hf import export_hf
+
+    return export_hf(*args)
+
+
+def _gguf(*args: Any) -> TargetOutcome:
+    from opus.export.gguf_mix import export_gguf
+
+    return export_gguf(*args)
+
+
+def _onnx(*args: Any) -> TargetOutcome:
+    from opus.export.onnx_kv import export_onnx as export_onnx_with_cache
+
+    return export_onnx_with_cache(*args)
+
+
+# Export targets beyond the native one, in the order they run: (settings flag, exporter). Imports
+# are inside the functions so that a stage key hashes the exporters' code (opus.pipeline.code_reach).
+TARGETS: tuple[tuple[str, Callable[..., TargetOutcome]], ...] = (("hf", _hf), ("gguf", _gguf), ("onnx", _onnx))
+
+
+def _run_target(name: str, exporter: Callable[..., TargetOutcome], model: nn.Module, tokenizer: Any,
+                state: dict[str, Any], out: Path, s: ExportSettings) -> TargetOutcome:
+    s.progress(f"exporting {name}")
     try:
-        vocab = vocab_size(model)
-        last_only = s.last_only and accepts_last_only(model)
-        wrapper = LogitsOnly(model, last_only).eval()
-        prompts = make_prompts(tokenizer, vocab, s)
-        s.progress("exporting to ONNX (dynamo)")
-        export_onnx(wrapper, out / ONNX_FILE, prompts[0])
-        metrics["onnx_exported"] = 1
-        info["onnx_outputs"] = "next-token logits [batch, 1, vocab]" if last_only else "logits [batch, seq, vocab]"
-        s.progress("onnxruntime parity")
-        session = ort_session(out / ONNX_FILE, s.device, s.threads)
-        info["onnx_providers"] = session.get_providers()
-        metrics.update(parity(wrapper, session, prompts, s.greedy_tokens))
-        s.progress("onnxruntime P and D")
-        metrics.update(measure_ort(session, vocab, s))
-        info.update(onnx_p_method=P_METHOD, onnx_d_method=D_METHOD,
-                    onnx_workload={"batch_size": s.batch_size, "input_len": s.input_len,
-                                   "new_tokens": s.new_tokens, "repeats": s.repeats})
-    except Exception as exc:  # noqa: BLE001 - a module ONNX cannot express is a finding, not a crash
-        stage = "export" if not metrics["onnx_exported"] else "onnxruntime"
-        info["onnx_error"] = f"{stage}: {one_line(exc)} (full traceback in {ERROR_FILE})"
-        write_text(out / ERROR_FILE, "".join(traceback.format_exception(exc)))
-    return metrics, info
+        return exporter(model, tokenizer, state, out, s)
+    except Exception as exc:  # noqa: BLE001 - one target failing must not lose the others
+        write_text(out / f"{name}_error.txt", "".join(traceback.format_exception(exc)))
+        return TargetOutcome(name, False, reason=f"{one_line(exc)} (traceback in {name}_error.txt)")
 
 
 def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final: Path,
                  s: ExportSettings) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write the export directory at ``final`` (built beside it, swapped in whole); returns metrics, info."""
+    """Write the export directory at ``final`` (built beside it, swapped in whole); returns metrics, info.
+
+    ``info["targets"]``: per target (native, hf, gguf, onnx) whether it was exported, why not, where.
+    """
     from safetensors.torch import save_file
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -300,14 +249,15 @@ def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final:
         s.progress("saving safetensors")
         tensors, aliases = changed_tensors(model, {})  # no base marks: every tensor, shared storage once
         save_file(tensors, str(out / TENSORS_FILE))
-        metrics: dict[str, Any] = {"export_tensors_mb": (out / TENSORS_FILE).stat().st_size / 2**20}
-        info: dict[str, Any] = {}
-        if s.onnx:
-            onnx_metrics, info = _try_onnx(model, tokenizer, out, s)
-            metrics.update(onnx_metrics)
-        onnx_files = sorted(out.glob(f"{ONNX_FILE}*"))
-        if onnx_files:
-            metrics["onnx_file_mb"] = sum(p.stat().st_size for p in onnx_files) / 2**20
+        outcomes = [TargetOutcome("native", True, path=".",
+                                  metrics={"export_tensors_mb": (out / TENSORS_FILE).stat().st_size / 2**20})]
+        outcomes += [_run_target(name, exporter, model, tokenizer, state, out, s)
+                     for name, exporter in TARGETS if getattr(s, name)]
+        metrics: dict[str, Any] = {}
+        for outcome in outcomes:
+            metrics.update(outcome.all_metrics())
+        metrics.pop("native_exported")
+        info: dict[str, Any] = {"targets": {o.name: o.record() for o in outcomes}}
         model_files = write_model_files(model, tokenizer, out, s)  # before "files" hashes them
         record = {
             "format": "opus-export", "version": FORMAT_VERSION,
@@ -316,7 +266,7 @@ def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final:
             "model_files": model_files,
             "dtype": s.dtype, "device": s.device,
             "state": {"recipe": list(state.get("recipe", [])), "tensors": TENSORS_FILE, "aliases": aliases},
-            "onnx": ONNX_FILE if metrics.get("onnx_exported") else None,
+            "onnx": info["targets"]["onnx"]["path"] if "onnx" in info["targets"] else None,
             "files": {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()},
             "metrics": metrics, "info": info,
         }
