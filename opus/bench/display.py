@@ -19,7 +19,8 @@ from opus.pipeline.progress import format_count, format_duration
 
 
 class BenchDisplay:
-    """Progress counts forward passes over all contenders (loading and exporting are not counted)."""
+    """Progress counts forward passes over all contenders (loading and exporting are not counted);
+    a line per contender when its row is complete (a built one's after its group's timed rounds)."""
 
     def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
         self.console = console or Console(stderr=True, highlight=False)
@@ -50,6 +51,13 @@ class BenchDisplay:
     def start(self, total: float) -> None:
         self.task = self.progress.add_task("bench", total=total)
         self.total, self.started = total, time.monotonic()
+
+    def extend(self, units: float) -> None:
+        """More work than planned (rounds measured again because their ratios were too wide)."""
+        with self._lock:
+            self.total = (self.total or 0) + units
+        if self.task is not None:
+            self.progress.update(self.task, total=self.total)
 
     def update(self, done: float, what: str) -> None:
         with self._lock:

@@ -13,19 +13,24 @@ from typing import Any
 from opus.bench.core import Row
 
 METHODS = {
+    "timing": "every contender is built and kept (in groups when they would not all fit in memory, each "
+              "group with the fp32 baseline), then timed in interleaved rounds: one untimed warm-up round, "
+              "then `repeats` rounds (at least 5 when there are ratios), each running every contender once "
+              "(its P request, then its D requests), round r starting at contender r mod N, so a slow moment "
+              "of the machine hits every contender and none is always first or last",
     "P": "generated tokens/s of the workload: batch_size prompts of input_len tokens, output_len new tokens "
-         "each, prefill included (median of repeats after warm-up)",
+         "each, prefill included (median over the rounds)",
     "D": "time to first token of one request of input_len tokens (prefill + choosing the first token), "
-         "median of 9 or more requests",
+         "median of 9 or more requests spread over the rounds",
     "prefill bN": "time to the first tokens of the P workload: all batch_size prompts prefilled at once "
-                  "(median of repeats; lower is better)",
+                  "(median over the rounds; lower is better)",
     "decode bN": "tokens/s of the decode steps of the P workload (batch N = batch_size, prefill excluded)",
     "decode b1": "tokens/s of the decode steps of that single request (batch 1)",
-    "peak MB": "the process's peak resident memory while the batch workload runs (its first timed run, "
-               "after a warm-up); "
-               "all contenders run in one process, one after the other, so it also holds what the process "
-               "kept from earlier contenders (freed heap is returned to the OS between contenders)",
-    "rise MB": "how far the peak rose above the resident memory at the start of the batch workload: what "
+    "peak MB": "the process's peak resident memory during the contender's first batch run after its warm-up, "
+               "measured right after its build, less what the contenders built before it held then (the "
+               "process's memory before this build less its memory before any contender): the peak of the "
+               "process with this contender alone loaded (freed heap is returned to the OS before each build)",
+    "rise MB": "how far the peak rose above the resident memory at the start of that batch run: what "
                "the workload itself needed (activations, KV cache, runtime buffers)",
     "model MB": "bytes of parameters and buffers (torch), of the ONNX graph, or of the GGUF file",
     "ppl": "perplexity over the evaluation blocks (the same token ids for every contender)",
@@ -33,7 +38,10 @@ METHODS = {
              "prompts, the fraction of positions where the contender's argmax equals the baseline's",
     "agree free": "free-running greedy agreement: the contender generates from the same prompt ids and each "
                   "token is compared with the baseline's at the same position",
-    "×": "ratio to the fp32 baseline measured in the same run",
+    "×": "ratio to the fp32 baseline measured in the same run; for a timed figure the median of the ratios of "
+         "the rounds (contender / baseline, both from the same round), with [min–max] over the rounds; an "
+         "interval wider than 15 % of the ratio is measured again once (every contender of the group), and "
+         "marked noisy if it still is; memory, size and perplexity: the plain quotient",
 }
 PROMPTS = {"text": "cut from the evaluation text", "random": "seeded random token ids"}
 # Columns shown with their ratio to the baseline, then the model size.
@@ -42,10 +50,52 @@ RATIO_COLUMNS = (("throughput_tok_s", "P tok/s", "{:.1f}"), ("prefill_ms_batch",
                  ("ttft_ms", "D ms", "{:.1f}"), ("decode_tok_s", "decode b1 tok/s", "{:.1f}"),
                  ("peak_mem_mb", "peak MB", "{:.0f}"))
 MODEL_COLUMN = ("model_mb", "model MB", "{:.1f}")
+SHORT = {"throughput_tok_s": "P", "prefill_ms_batch": "prefill bN", "decode_tok_s_batch": "decode bN", "ttft_ms": "D",
+         "decode_tok_s": "decode b1"}
 
 
 def _num(value: Any, fmt: str) -> str:
     return fmt.format(value) if isinstance(value, (int, float)) and math.isfinite(value) else "—"
+
+
+def _ratio(value: Any, interval: dict[str, Any] | None) -> str:
+    """``1.23 [1.10–1.31]``: the paired ratio with its interval over the rounds; ``noisy`` when too wide."""
+    text = _num(value, "{:.2f}")
+    if text == "—" or not interval:
+        return text
+    text += f" [{interval['low']:.2f}–{interval['high']:.2f}]"
+    return text + " noisy" if interval.get("noisy") else text
+
+
+def _timing_lines(timing: dict[str, Any] | None, rows: list[Row]) -> list[str]:
+    """How the timed figures were taken: interleaved rounds, their order, groups, drift, noisy ratios."""
+    if not timing:
+        return []
+    groups = [g for g in timing.get("groups", []) if g.get("orders")]
+    if not groups:
+        return []
+    first = groups[0]
+    n = len(first["contenders"])
+    shown = "; ".join(f"round {i + 1}: {', '.join(order)}" for i, order in enumerate(first["orders"][:min(n, 3)]))
+    rounds = " / ".join(str(g["rounds"]) for g in groups)
+    repeated = " (measured again: an interval was wider than 15 %)" if any(g.get("repeated") for g in groups) else ""
+    lines = [f"- timing: interleaved; every contender built and kept, then a warm-up round and {rounds} timed "
+             f"rounds{repeated}, each running every contender once, round r starting at contender r mod {n} "
+             f"({shown}{'; …' if len(first['orders']) > 3 else ''}); D: {first['ttft_requests_per_round']} "
+             "requests per contender per round; × is the median of the per-round ratios to fp32 [min–max]"]
+    if timing.get("grouping"):
+        lines.append(f"- memory: {timing['grouping']}: "
+                     + "; ".join(f"group {i + 1}: {', '.join(g['contenders'])}" for i, g in enumerate(groups)))
+    spread = rows[0].metrics.get("throughput_tok_s_spread") if rows else None
+    if isinstance(spread, dict) and spread.get("median"):
+        lines.append(f"- fp32 P over its {spread['n']} rounds: {spread['min']:.1f}–{spread['max']:.1f} tok/s "
+                     f"({(spread['max'] - spread['min']) / spread['median'] * 100:.0f} % of its median: how much the "
+                     "machine moved meanwhile; the paired ratios cancel what hit every contender of a round)")
+    noisy = {row.name: [SHORT.get(k, k) for k, i in row.intervals.items() if i.get("noisy")] for row in rows}
+    if any(noisy.values()):
+        lines.append("- noisy ratios (interval still wider than 15 % after a repeat): "
+                     + "; ".join(f"{name} ({', '.join(keys)})" for name, keys in noisy.items() if keys))
+    return lines
 
 
 def _verdict(row: Row, budget: float) -> str:
@@ -65,10 +115,7 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
              f"- accuracy budget: perplexity +{budget * 100:g} % ({report['budget']['source']})",
              f"- Opus run: {report['run'] or report['no_run_reason']}",
              f"- {report['environment']}"]
-    recheck = report.get("baseline_recheck")
-    if recheck and recheck.get("drift") is not None:
-        lines.append(f"- fp32 P measured again after all contenders: {recheck['throughput_tok_s']:.1f} tok/s, "
-                     f"{recheck['drift'] * 100:+.1f} % against the first measurement (noise in every ratio)")
+    lines += _timing_lines(report.get("timing"), rows)
     lines.append("")
     head = ["contender"] + [f"{label} | ×" for _, label, _ in RATIO_COLUMNS] + [
         "rise MB", MODEL_COLUMN[1], "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
@@ -83,7 +130,7 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
         m, r = row.metrics, row.ratios
         cells = [row.name]
         for key, _, fmt in RATIO_COLUMNS:
-            cells += [_num(m.get(key), fmt), _num(r.get(key), "{:.2f}")]
+            cells += [_num(m.get(key), fmt), _ratio(r.get(key), row.intervals.get(key))]
         cells += [_num(m.get("peak_mem_rise_mb"), "{:.0f}"), _num(m.get("model_mb"), MODEL_COLUMN[2]),
                   _num(m.get("perplexity"), "{:.3f}"),
                   _num(None if row.ppl_increase is None else row.ppl_increase * 100, "{:+.2f} %"),

@@ -1,17 +1,15 @@
-"""``opus bench``: every contender, one after another in this process, on the same inputs.
+"""``opus bench``: every contender in this process, on the same inputs, timed in interleaved rounds.
 
-The fp32 baseline runs first (its greedy continuations are the agreement reference, its figures
-the denominators of every ratio); a contender that cannot run here gets a row with the reason.
+The fp32 baseline is built first (its greedy continuations are the agreement reference, its figures
+the denominators of every ratio); a contender that cannot run here gets a row with the reason. The
+contenders are built and kept, then timed together, round after round (``opus.bench.rounds``); when
+they would not all fit in memory, in groups that do, each with the baseline.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import platform
 import tempfile
-import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,14 +17,24 @@ from typing import Any
 import torch
 
 from opus.bench import hf_contender, llamacpp, onnx_contenders, torch_contenders
-from opus.bench.core import BenchContext, Contender, Row, Unavailable, judge, measure, units
+from opus.bench.core import BenchContext, Contender, Row, judge, once_units, resident_mb, round_units, ttft_requests
 from opus.bench.gguf import cache_root
+from opus.bench.rounds import (
+    Entry,
+    MemoryPlan,
+    available_mb,
+    build_once,
+    close,
+    free_memory,
+    measure_group,
+    plan_groups,
+    timed_rounds,
+)
 from opus.bench.target import Target, pipeline_budget, resolve_target
 from opus.errors import InputError, OpusError
-from opus.export.native import one_line
 from opus.pipeline.spec import WorkloadSpec
 from opus.runtime.machine import describe, recorded
-from opus.runtime.metrics import Progress, Settings, fidelity_prompts, prepare_inputs
+from opus.runtime.metrics import Progress, Settings, fidelity_prompts, model_mb, prepare_inputs
 
 
 @dataclass
@@ -108,7 +116,7 @@ def prepare(request: BenchRequest, target: Target, work_dir: Path,
                        fidelity_tokens=tokens, threads=threads, vocab_size=int(model.config.vocab_size),
                        group_size=request.group_size, gguf=request.gguf, converter=request.converter,
                        cache_dir=cache_root(), work_dir=work_dir, checkpoint=target.checkpoint, spec=spec,
-                       no_run_reason=target.no_run_reason, log=log)
+                       no_run_reason=target.no_run_reason, log=log, fp32_mb=model_mb(model))
     del model
     budget, source = (request.budget, "--budget") if request.budget is not None else pipeline_budget(target.loaded)
     blocks = inputs.eval_blocks
@@ -126,74 +134,104 @@ def prepare(request: BenchRequest, target: Target, work_dir: Path,
     return ctx, report
 
 
-def _return_freed_memory() -> None:
-    """glibc keeps freed heap pages; give them back so the next contender starts from a lower RSS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: the peak figures then include more of what earlier contenders left behind
-
-
-def _measure_one(contender: Contender, ctx: BenchContext, display: Any, offset: float, baseline: bool) -> Row:
-    row = Row(contender.name, contender.label, contender.family)
-    progress = Progress(lambda done, total, what: display.update(offset + done, f"{contender.name}: {what}"))
-    started = time.monotonic()
-    display.update(offset, f"{contender.name}: preparing")
-    try:
-        built = contender.build(ctx)
-        try:
-            row.notes = built.notes  # the same list: close() may add what it saw during the run
-            row.metrics = measure(built, ctx, progress, baseline)
-        finally:
-            if built.close is not None:
-                built.close()
-            del built
-    except Unavailable as exc:
-        row.status, row.reason = "skipped", str(exc)
-    except Exception as exc:  # noqa: BLE001 - one contender's failure is a finding, not the end of the bench
-        row.status, row.reason, row.detail = "failed", one_line(exc), traceback.format_exc()
-    gc.collect()  # the next contender's memory figure must not include this one's model
-    _return_freed_memory()
-    row.seconds = time.monotonic() - started
-    return row
-
-
 def run_bench(request: BenchRequest, display: Any) -> tuple[dict[str, Any], list[Row]]:
     target = resolve_target(request.target, request.runs_dir)
     user_gguf = request.gguf is not None or target.loaded.spec.model.gguf is not None
     chosen = [*select(all_contenders(user_gguf), request.only), *request.extra]
     with tempfile.TemporaryDirectory(prefix="opus-bench-") as tmp, recorded(machine := {}):
         ctx, report = prepare(request, target, Path(tmp), display.line)
-        per = units(ctx)
-        w = ctx.workload
-        display.start(per * len(chosen) + (max(1, w.warmup) + w.repeats) * w.output_len)  # + the drift re-check
-        rows: list[Row] = []
-        for index, contender in enumerate(chosen):
-            row = _measure_one(contender, ctx, display, index * per, baseline=index == 0)
-            if index == 0 and row.status != "ok":
-                raise OpusError(f"the fp32 baseline could not be measured: {row.reason}")
-            rows.append(row)
-            display.finished(row)
-        if len(chosen) > 1 and ctx.settings.throughput:
-            display.update(per * len(chosen), "fp32: P again (drift)")
-            report["baseline_recheck"] = _recheck(chosen[0], ctx, rows[0].metrics.get("throughput_tok_s"))
+        free_memory()
+        floor = resident_mb(ctx.device)  # before any contender: what each one's memory figure excludes
+        plan = plan_groups(chosen, ctx.fp32_mb, available_mb(ctx.device))
+        if plan.grouped:
+            display.line(f"memory: {_grouping(plan)}")
+        rows = [Row(c.name, c.label, c.family) for c in chosen]
+        display.start(_total_units(ctx, plan))
+        progress = Progress(lambda done, total, what: display.update(done, what), interval_s=0.2)
+        alive: list[Entry] = []  # closed at the end, also when the bench stops early (Ctrl-C, the baseline failing)
+        try:
+            groups = _measure_groups(chosen, rows, plan, ctx, progress, floor, display, alive)
+        finally:
+            for entry in alive:
+                if entry.built is not None:
+                    close(entry)
+        report["timing"] = _timing(plan, groups)
+        if len(groups) > 1:
+            rows[0].notes.append(f"timed in the rounds of each of the {len(groups)} groups; its figures are "
+                                 "group 1's, each ratio pairs a contender with the baseline in its own group")
     report["machine"] = machine["machine"]  # the CPU, its ISA, threads, kernel library and load before/after
     report["environment"] += f"; {describe(machine['machine'])}"
     judge(rows, report["budget"]["value"])
+    report["timing"]["noisy"] = [f"{row.name} {key}" for row in rows for key, i in row.intervals.items()
+                                 if i.get("noisy")]
     return report, rows
 
 
-def _recheck(baseline: Contender, ctx: BenchContext, first: float | None) -> dict[str, Any]:
-    """The baseline's P measured again after every contender: how much the machine drifted meanwhile
-    (another process, thermal limits), i.e. how much noise the ratios carry."""
-    from opus.runtime.metrics import measure_throughput
+def _measure_groups(chosen: list[Contender], rows: list[Row], plan: MemoryPlan, ctx: BenchContext,
+                    progress: Progress, floor: float, display: Any, alive: list[Entry]) -> list[dict[str, Any]]:
+    """Build the baseline, then group by group: build the group's contenders, time the group with the
+    baseline in interleaved rounds, close the group's contenders. What the report says of each group."""
+    base = build_once(chosen[0], rows[0], ctx, progress, True, floor)
+    if base.built is None:
+        raise OpusError(f"the fp32 baseline could not be measured: {rows[0].reason}")
+    alive.append(base)
+    groups = []
+    index = 1
+    for number, group in enumerate(plan.groups):
+        if plan.grouped:
+            display.line(f"group {number + 1}/{len(plan.groups)}: fp32, {', '.join(c.name for c in group)}")
+        entries = [base]
+        for contender in group:
+            entry = build_once(contender, rows[index], ctx, progress, False, floor)
+            index += 1
+            entries.append(entry)
+            alive.append(entry)
+            if entry.built is None:
+                display.finished(entry.row)
+        if number > 0 and all(entry.built is None for entry in entries[1:]):
+            continue  # nothing of this group could be built: no rounds to pair with the baseline
+        info = measure_group(entries, ctx, progress, getattr(display, "extend", None))
+        if "failed" in info:
+            raise OpusError(f"the fp32 baseline failed during the timed rounds: {info['failed']}")
+        info["baseline"] = {k: v for k, v in base.timed.items() if k in ("throughput_tok_s", "ttft_ms")}
+        groups.append(info)
+        for entry in entries:
+            if entry is base and number > 0:
+                continue  # the baseline's figures are its first group's; later groups only pair with it
+            entry.row.metrics.update(entry.timed)
+        if number == 0:
+            display.finished(base.row)
+        for entry in entries[1:]:
+            if entry.built is not None:  # built: its row is complete now (a failure in the rounds included)
+                close(entry)
+                display.finished(entry.row)
+    return groups
 
-    built = baseline.build(ctx)
-    try:
-        again = measure_throughput(built.model, ctx.inputs.prompts, ctx.workload.output_len, built.factory,
-                                   ctx.workload.warmup, ctx.workload.repeats)["throughput_tok_s"]
-    finally:
-        del built
-        gc.collect()
-    drift = again / first - 1 if first else None
-    return {"throughput_tok_s": again, "first": first, "drift": drift}
+
+def _total_units(ctx: BenchContext, plan: MemoryPlan) -> float:
+    """Progress units of the whole bench, every contender buildable (a skipped one shortens it)."""
+    total = once_units(ctx) * (1 + sum(len(g) for g in plan.groups))
+    for group in plan.groups:
+        sides = 1 + len(group)
+        rounds = timed_rounds(ctx.workload.repeats, sides)
+        total += (1 + rounds) * sides * round_units(ctx, ttft_requests(rounds))  # a warm-up round first
+    return total
+
+
+def _grouping(plan: MemoryPlan) -> str:
+    return (f"the contenders would hold ~{plan.need_mb:.0f} MB at once (fp32 model {plan.fp32_mb:.0f} MB) and "
+            f"{plan.available_mb:.0f} MB is available: planned in {len(plan.groups)} groups that fit, timed one "
+            "after another, each with the fp32 baseline in its rounds")
+
+
+def _timing(plan: MemoryPlan, groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the report says about how the timed figures were taken."""
+    return {"interleaved": True,
+            "method": "every contender built and kept, then one untimed warm-up round and the timed rounds; each "
+                      "round runs every contender of its group once (its P request, then its D requests), round r "
+                      "starting at contender r mod N; a timed figure is the median over the rounds, a ratio the "
+                      "median of the per-round ratios to fp32 with [min, max] over the rounds, measured again "
+                      "once when wider than 15 % and then marked noisy",
+            "groups": groups, "grouping": _grouping(plan) if plan.grouped else None,
+            "memory": {"available_mb": round(plan.available_mb), "fp32_mb": round(plan.fp32_mb, 1),
+                       "estimated_need_mb": round(plan.need_mb)}}

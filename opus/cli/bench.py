@@ -1,4 +1,4 @@
-"""``opus bench PIPELINE_OR_RUN``: runtimes and formats side by side, in one process and one run.
+"""``opus bench PIPELINE_OR_RUN``: runtimes and formats side by side, in one process, timed in interleaved rounds.
 
 opus.cli.main only registers this: ``add_parsers(sub)`` and ``COMMANDS``; torch and the contenders are
 imported inside the command.
@@ -19,7 +19,8 @@ CONTENDERS = ("fp32 (baseline), bf16, torch-int8, w8a16, w4a16, w8a8, w8a8-tenso
 def add_parsers(sub: Any) -> None:
     bench = sub.add_parser(
         "bench", help="compare runtimes and formats side by side: P, D, decode, memory, perplexity, agreement",
-        description=f"Contenders: {CONTENDERS}. Ratios are against the fp32 baseline measured in the same run.")
+        description=f"Contenders: {CONTENDERS}. Ratios are against the fp32 baseline, timed in the same interleaved "
+                    "rounds (every contender once per round, in rotated order).")
     bench.add_argument("target", type=Path, help="a pipeline file (its latest finished run is the 'opus' "
                                                  "contender) or a run directory")
     bench.add_argument("--only", help="comma list of contenders, prefixes (llama, onnx) or families (torch); "
