@@ -141,6 +141,9 @@ def ort_session(path: Path, device: str, threads: int | None) -> Any:
     options = ort.SessionOptions()
     if threads:
         options.intra_op_num_threads = threads
+    # Idle worker threads would otherwise spin after each run, taking the CPU from whatever runs next
+    # (opus bench interleaves its contenders round by round).
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers = ["CPUExecutionProvider"]
     if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
