@@ -37,9 +37,8 @@ empty = np.zeros((1, meta["num_kv_heads"], 0, meta["head_dim"]), meta["kv_dtype"
 past = {i.name: empty for i in sess.get_inputs() if i.name.startswith("past_key_values.")}
 out, n = [], ids.shape[1]
 for _ in range(32):
-    feed = {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64),
-            "position_ids": np.arange(n - ids.shape[1], n)[None], **past}
-    logits, *present = sess.run(None, feed)
+    logits, *present = sess.run(None, {"input_ids": ids, "attention_mask": np.ones((1, n), np.int64),
+                                       "position_ids": np.arange(n - ids.shape[1], n)[None], **past})
     past, ids, n = dict(zip(past, present)), logits[:, -1:].argmax(-1), n + 1
     if ids[0, 0] in meta["eos_token_ids"]: break
     out.append(int(ids[0, 0]))
@@ -114,6 +113,11 @@ def test_readme_loop_generates_the_torch_greedy_continuation(float_export, capsy
     assert ids[0, :3].tolist() == [1, 2, 3]  # real words, not [UNK]
     assert namespace["out"] == torch_greedy(model, ids, 32)
     assert capsys.readouterr().out.strip() == tok.decode(namespace["out"])
+
+
+def test_readme_shows_this_loop() -> None:
+    readme = (TESTS.parent / "README.md").read_text(encoding="utf-8")
+    assert README_LOOP in readme and len(README_LOOP.splitlines()) <= 15
 
 
 def test_left_padding_gives_each_row_its_unpadded_continuation(float_export) -> None:
