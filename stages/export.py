@@ -45,6 +45,7 @@ class Config(BaseModel):
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus.export.native import ExportSettings, export_model
+    from opus.pipeline.run_files import relative_path
 
     loaded = ctx.load_model()
     workload, spec = ctx.workload, ctx.spec
@@ -58,7 +59,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         progress=lambda what: ctx.progress(0, None, what))
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
     # Inside the checkpoint the directory is still temporary: record where it will be once committed.
-    info["export_dir"] = str(final) if cfg.dir else f"{ctx.stage_id} checkpoint: artifacts/export"
+    # No absolute path in a run file: a ``dir`` export is named relative to the run directory.
+    info["export_dir"] = (relative_path(final, ctx.run_dir) if cfg.dir
+                          else f"{ctx.stage_id} checkpoint: artifacts/export")
     from opus.atomic import write_json
     from opus.export.targets import EXPORTS_FILE
 

@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parent.parent
 SMOKE = REPO / "pipelines" / "smoke.yaml"
 K3 = REPO / "examples" / "k3" / "model"
 # smoke.yaml's model, data and workload, two quick stages: a model-changing one (its recipe replays
-# on load) and the export (ONNX off: its own tests cover it).
+# on load) and the native export (ONNX, HF and GGUF off: tests/export covers them).
 STAGES = [{"id": "fuse", "uses": "fuse", "with": {"measure_time": False, "experts": {"choose": False}}},
-          {"id": "export", "uses": "export", "needs": ["fuse"], "with": {"onnx": False}}]
+          {"id": "export", "uses": "export", "needs": ["fuse"], "with": {"onnx": False, "hf": False, "gguf": False}}]
 PROMPT = "def main():\n"
 
 

@@ -2,7 +2,9 @@
 
 ``export_hf`` writes ``hf/`` under the export directory: config.json carrying the
 ``quantization_config`` (one config group per quantization scheme of the plan, each targeting its
-layers by name; float layers under ``ignore``), the tokenizer files, generation_config.json and
+layers by name; float layers under ``ignore``; the source's config.json, or for a GGUF or factory
+source one written from the model's config when it reads back exactly), the tokenizer files,
+generation_config.json and
 model.safetensors, in the source checkpoint's own tensor names (fused layers split back, experts
 unstacked, SmoothQuant folded into the weights: ``opus.export.unfused``). The quantized tensors are
 made by compressed-tensors itself from each layer's weight and Opus's scales, so an int8 layer holds
@@ -115,6 +117,17 @@ def _config_groups(stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
             for i, key in enumerate(sorted(by_scheme, key=lambda k: sorted(by_scheme[k])[0]))}
 
 
+def _config(model: nn.Module, source_dir: Path | None) -> dict[str, Any] | None:
+    """The source's config.json, else one written from the model's config (a GGUF or factory source)
+    when it reads back exactly (``opus.models.config.hf_config``), else None."""
+    if source_dir is not None and (source_dir / "config.json").is_file():
+        return read_json(source_dir / "config.json")
+    from opus.models.config import ModelConfig, hf_config
+
+    cfg = getattr(model, "config", None)
+    return hf_config(cfg) if isinstance(cfg, ModelConfig) else None
+
+
 def _source_dir(source: dict[str, Any], base_dir: Path) -> Path | None:
     if "hf" not in source:
         return None
@@ -122,7 +135,8 @@ def _source_dir(source: dict[str, Any], base_dir: Path) -> Path | None:
     return path if path.is_absolute() else base_dir / path
 
 
-def write_hf(model: nn.Module, tokenizer: Any, source_dir: Path, out: Path, dtype: torch.dtype) -> dict[str, Any]:
+def write_hf(model: nn.Module, tokenizer: Any, config: dict[str, Any], source_dir: Path | None, out: Path,
+             dtype: torch.dtype) -> dict[str, Any]:
     """Write the directory; returns info (config groups, storage notes) for the outcome."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
@@ -151,7 +165,7 @@ def write_hf(model: nn.Module, tokenizer: Any, source_dir: Path, out: Path, dtyp
             notes[disk] = note
     for name, t in other_tensors(model).items():
         tensors[checkpoint_name(name, family)] = t.to(dtype) if t.is_floating_point() else t
-    config = read_json(source_dir / "config.json")
+    config = dict(config)
     # A quantized lm_head no longer shares the embedding's float weight.
     config["tie_word_embeddings"] = bool(config.get("tie_word_embeddings")) and "lm_head" in ignore
     if config["tie_word_embeddings"]:
@@ -168,7 +182,7 @@ def write_hf(model: nn.Module, tokenizer: Any, source_dir: Path, out: Path, dtyp
         ModelCompressor(quantization_config=qconfig).update_config(str(out))
     if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(str(out))
-    for name in SIDE_FILES:
+    for name in SIDE_FILES if source_dir is not None else ():
         if (source_dir / name).is_file():
             shutil.copyfile(source_dir / name, out / name)
     return {"config_groups": {k: {"targets": len(g.targets), "format": g.format,
@@ -199,15 +213,16 @@ def export_hf(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir: 
     from opus.export.native import make_prompts, one_line, vocab_size
 
     source_dir = _source_dir(settings.source, settings.base_dir)
-    if source_dir is None or not (source_dir / "config.json").is_file():
+    config = _config(model, source_dir)
+    if config is None:
         kind = next(iter(settings.source), "?")
-        return TargetOutcome("hf", False, reason=f"needs a Hugging Face source directory with config.json "
-                                                 f"(this model's source is '{kind}')")
+        return TargetOutcome("hf", False, reason=f"no Hugging Face config.json for this model: its source is "
+                                                 f"'{kind}' and its config has no exact config.json form")
     out = out_dir / SUBDIR
     try:
         from opus.models.load import resolve_dtype
 
-        info = write_hf(model, tokenizer, source_dir, out, resolve_dtype(settings.dtype))
+        info = write_hf(model, tokenizer, config, source_dir, out, resolve_dtype(settings.dtype))
     except Exception as exc:  # noqa: BLE001 - a model this format cannot hold is a finding, not a crash
         shutil.rmtree(out, ignore_errors=True)
         write_text(out_dir / ERROR_FILE, "".join(traceback.format_exception(exc)))

@@ -97,12 +97,27 @@ def test_float_model_exports_without_quantization_config_and_matches(tmp_path: P
     assert "quantization_config" not in json.loads((tmp_path / "x" / "hf" / "config.json").read_text())
 
 
-@pytest.mark.parametrize("source", [{"gguf": "model.gguf"}, {"factory": "pkg.mod:build"}])
-def test_a_source_without_config_json_is_not_exported_with_the_reason(tmp_path: Path, source: dict) -> None:
+@pytest.mark.parametrize("source", [{"gguf": "model.gguf"}, {"factory": "tests.quant.tiny:tiny_decoder"}])
+@torch.no_grad()
+def test_a_source_without_config_json_gets_one_from_the_model_config(tmp_path: Path, source: dict) -> None:
     from tests.quant.tiny import tiny_decoder
 
-    outcome = export_hf(tiny_decoder("llama"), None, {}, tmp_path, _settings(source))
-    assert not outcome.exported and "needs a Hugging Face source directory" in outcome.reason
+    model = tiny_decoder("qwen2_moe")  # shared expert and its gate: every part of a MoE layer
+    quantize_model(model, {n: "w8a16" for n in _linears(model) if not n.endswith("shared_expert_gate")}, None)
+    outcome = export_hf(model, None, {}, tmp_path, _settings(source))
+    assert outcome.exported and outcome.metrics["hf_loads_in_transformers"] == 1, outcome.info
+    assert outcome.metrics["hf_next_token_agreement"] == 1.0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", None])
+def test_a_model_without_a_config_form_is_not_exported_with_the_reason(tmp_path: Path, family: str | None) -> None:
+    from tests.quant.tiny import tiny_decoder
+
+    # Mixtral's config.json has one intermediate size; this model's dense and expert sizes differ.
+    model = tiny_decoder(family) if family else nn.Sequential(nn.Linear(4, 2))
+    outcome = export_hf(model, None, {}, tmp_path, _settings({"factory": "m:f"}))
+    assert not outcome.exported and "no Hugging Face config.json for this model" in outcome.reason
     assert not (tmp_path / "hf").exists()
 
 

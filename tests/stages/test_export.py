@@ -57,10 +57,11 @@ def test_export_stage_end_to_end(tmp_path: Path) -> None:
     result = summary(run_dir)
     metrics = result["stages"][0]["metrics"]
     _assert_parity(metrics)
-    assert metrics["gguf_exported"] == metrics["hf_exported"] == 0  # a factory model without a tokenizer
+    assert metrics["hf_exported"] == metrics["hf_loads_in_transformers"] == 1  # config.json from the model's config
+    assert metrics["hf_next_token_agreement"] == 1.0
+    assert metrics["gguf_exported"] == 0  # a factory model without a tokenizer
     # A target it could not write is a warning naming the reason, not a silent "done".
     warnings = result["warnings"]
-    assert any(w.startswith("export: hf not exported (needs a Hugging Face source directory") for w in warnings)
     assert any(w.startswith("export: gguf not exported (no Hugging Face fast tokenizer") for w in warnings)
     stage_dir = run_dir / "stages" / "00-export"
     info = json.loads((stage_dir / "result.json").read_text())["info"]
@@ -69,10 +70,10 @@ def test_export_stage_end_to_end(tmp_path: Path) -> None:
     assert (export_dir / "onnx" / "model.onnx").is_file() and not (export_dir / "gguf").exists()
     exports = json.loads((stage_dir / "artifacts" / "exports.json").read_text())
     assert {n: t["exported"] for n, t in exports["targets"].items()} == \
-        {"native": True, "hf": False, "gguf": False, "onnx": True}
+        {"native": True, "hf": True, "gguf": False, "onnx": True}
     write_report(run_dir)
     report = (run_dir / "report.md").read_text()
-    assert "## Exports" in report and "needs a Hugging Face source directory" in report
+    assert "## Exports" in report and "no Hugging Face fast tokenizer" in report
     # Reloadable without the run directory.
     moved = shutil.copytree(export_dir, tmp_path / "shipped")
     shutil.rmtree(run_dir)
