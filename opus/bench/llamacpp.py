@@ -207,21 +207,58 @@ def _require_llama() -> None:
         raise Unavailable(INSTALL_HINT)
 
 
+def _convert_file(ctx: BenchContext, outtype: str) -> tuple[Path, list[str]]:
+    """The pipeline's HF model as a GGUF made by llama.cpp's converter (cached by model and converter)."""
+    from opus.bench.gguf import convert, find_converter
+    from opus.pipeline.fingerprint import fingerprint_source
+
+    _require_llama()
+    if "hf" not in ctx.source:
+        kind = next(iter(ctx.source))
+        raise Unavailable(f"the pipeline's model is a {kind} source, not a Hugging Face directory to convert; "
+                          "give --gguf FILE")
+    converter, where = ctx.shared.get("converter") or find_converter(ctx.converter, ctx.cache_dir)
+    ctx.shared["converter"] = (converter, where)
+    path, notes = convert(_hf_dir(ctx), outtype, converter, fingerprint_source(ctx.source, ctx.base_dir),
+                          ctx.cache_dir)
+    return path, [f"converter: {where}", *notes]
+
+
 def _converted(outtype: str) -> Any:
     def build(ctx: BenchContext) -> Built:
-        from opus.bench.gguf import convert, find_converter
-        from opus.pipeline.fingerprint import fingerprint_source
+        path, notes = _convert_file(ctx, outtype)
+        return _load(ctx, path, notes)
 
-        _require_llama()
-        if "hf" not in ctx.source:
-            kind = next(iter(ctx.source))
-            raise Unavailable(f"the pipeline's model is a {kind} source, not a Hugging Face directory to convert; "
-                              "give --gguf FILE")
-        converter, where = ctx.shared.get("converter") or find_converter(ctx.converter, ctx.cache_dir)
-        ctx.shared["converter"] = (converter, where)
-        path, notes = convert(_hf_dir(ctx), outtype, converter, fingerprint_source(ctx.source, ctx.base_dir),
-                              ctx.cache_dir)
-        return _load(ctx, path, [f"converter: {where}", *notes])
+    return build
+
+
+def quantize_file(source: Path, out: Path, ftype: str, threads: int) -> None:
+    """``source`` (an F16 GGUF) quantized uniformly by llama.cpp's own quantizer (``llama_model_quantize``,
+    what ``llama-quantize`` runs), written beside ``out`` and renamed into place."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.nthread = threads
+    partial = out.with_name(out.name + ".partial")
+    rc = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if rc != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype} failed (return code {rc})")
+    partial.rename(out)
+
+
+def _quantized(ftype: str) -> Any:
+    """A uniform ``ftype`` file (q4_0 ...) quantized by llama.cpp from the converter's F16 file."""
+    def build(ctx: BenchContext) -> Built:
+        f16, notes = _convert_file(ctx, "f16")
+        out = f16.with_name(f"model-{ftype}.gguf")
+        if out.is_file():
+            notes.append(f"GGUF {ftype}: {out} (quantized earlier by llama.cpp from the F16 file)")
+        else:
+            quantize_file(f16, out, ftype, ctx.threads or 1)
+            notes.append(f"GGUF {ftype}: quantized by llama.cpp's llama_model_quantize from {f16.name}: {out}")
+        return _load(ctx, out, notes)
 
     return build
 
@@ -267,10 +304,13 @@ PLANNED = Contender("llama-plan", "llama.cpp on the run's plan as GGUF (each lay
 
 
 def contenders(user_file: bool) -> tuple[Contender, ...]:
-    """The user's GGUF (--gguf, or a gguf model source), else F16 and Q8_0 made by llama.cpp's converter;
+    """The user's GGUF (--gguf, or a gguf model source), else F16 and Q8_0 made by llama.cpp's converter
+    and Q4_0 quantized from that F16 by llama.cpp;
     then the run's final model written with the plan's mix (``llama-plan``)."""
     if user_file:
         return (Contender("llama-gguf", "llama.cpp on the given GGUF", "llama.cpp", user_gguf), PLANNED)
     return (Contender("llama-f16", "llama.cpp F16 GGUF", "llama.cpp", _converted("f16")),
-            Contender("llama-q8_0", "llama.cpp Q8_0 GGUF", "llama.cpp", _converted("q8_0")), PLANNED)
+            Contender("llama-q8_0", "llama.cpp Q8_0 GGUF", "llama.cpp", _converted("q8_0")),
+            Contender("llama-q4_0", "llama.cpp Q4_0 GGUF (llama.cpp's quantizer)", "llama.cpp", _quantized("q4_0")),
+            PLANNED)
 

@@ -23,7 +23,7 @@ from opus.pipeline.spec import load_pipeline
 from tests.bench.project import make_project
 
 EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "compile", "hf", "onnx-fp32",
-         "onnx-int8", "llama-f16", "llama-q8_0", "llama-plan", "opus"]
+         "onnx-int8", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan", "opus"]
 SPEED = ("throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity")
 
 
@@ -86,7 +86,7 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
     assert any("without a KV cache" in note for note in rows["onnx-fp32"]["notes"])
     assert "C++ compiler" in rows["compile"]["reason"]
     assert all("llama-cpp-python is not installed" in rows[n]["reason"] for n in ("llama-f16", "llama-q8_0",
-                                                                                    "llama-plan"))
+                                                                                    "llama-q4_0", "llama-plan"))
     assert "no finished run of pipeline 'tinybench'" in rows["opus"]["reason"]
     markdown = (out / "bench.md").read_text()
     assert "| fp32 |" in markdown and "skipped: llama-cpp-python is not installed" in markdown
@@ -121,7 +121,7 @@ def test_a_run_directory_benches_its_final_model(pipeline, tmp_path, capsys) -> 
 def test_selection_and_budget(pipeline) -> None:
     contenders = all_contenders(user_gguf=False)
     names = [c.name for c in select(contenders, ["llama", "w4a16"])]
-    assert names == ["fp32", "w4a16", "llama-f16", "llama-q8_0", "llama-plan"]
+    assert names == ["fp32", "w4a16", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan"]
     assert [c.name for c in select(contenders, ["onnxruntime"])] == ["fp32", "onnx-fp32", "onnx-int8"]
     # What replaced bench/demo.py: `opus bench PIPELINE --only hf,fp32,bf16`.
     assert [c.name for c in select(contenders, ["hf", "fp32", "bf16"])] == ["fp32", "bf16", "hf"]

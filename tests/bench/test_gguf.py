@@ -84,6 +84,27 @@ def test_llama_cpp_end_to_end(tmp_path, capsys, monkeypatch) -> None:
         assert any("HF tokenizer's ids" in note for note in row["notes"]), row["notes"]
         assert row["ratios"]["perplexity"] == pytest.approx(1.0, abs=0.05)
         assert row["metrics"]["agreement"] >= 0.75
+    assert rows["llama-q4_0"]["status"] == "ok", rows["llama-q4_0"]["reason"]
+    assert any("llama_model_quantize" in note for note in rows["llama-q4_0"]["notes"])
+
+
+def test_llama_cpp_quantizes_a_gguf_uniformly(tmp_path) -> None:
+    """``llama-q4_0``'s file: llama.cpp's own quantizer over a float GGUF (here Opus's float export of K3)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'opus[llama]')")
+    import gguf
+
+    from opus.bench.llamacpp import quantize_file
+    from opus.export.gguf_mix import export_gguf
+    from opus.export.native import ExportSettings
+    from opus.models import load_model
+
+    k3 = Path(__file__).resolve().parents[2] / "examples" / "k3" / "model"
+    model, tokenizer = load_model({"hf": str(k3)}, ".")
+    outcome = export_gguf(model, tokenizer, {}, tmp_path, ExportSettings(source={"hf": str(k3)}, base_dir=Path(".")))
+    assert outcome.exported, outcome.reason
+    quantize_file(tmp_path / str(outcome.path), tmp_path / "q4_0.gguf", "q4_0", threads=1)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "q4_0.gguf").tensors if len(t.shape) >= 2}
+    assert "Q4_0" in types and not list(tmp_path.glob("*.partial"))
 
 
 def test_llama_plan_runs_the_run_s_final_model_as_gguf(tmp_path, capsys) -> None:
