@@ -27,13 +27,6 @@ EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", 
 SPEED = ("throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)  # the bench sets the pipeline's thread count
-
-
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory) -> Path:
     return make_project(tmp_path_factory.mktemp("bench"))

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from opus.bench import core, run
 from opus.bench.core import Built, Contender, Unavailable
@@ -23,13 +22,6 @@ from opus.kv.cache import cache_factory
 from opus.runtime.noise import paired_key
 from opus.runtime.paired import MIN_ROUNDS, rotation
 from tests.bench.project import make_project
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)  # the bench sets the pipeline's thread count
 
 
 @pytest.fixture(scope="module")
