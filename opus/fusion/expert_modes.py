@@ -20,7 +20,7 @@ from torch import nn
 from opus.fusion.capture import tolerance_for
 from opus.fusion.measure import decode_step_s
 from opus.fusion.moe import DEFAULT_MODES, EXPERT_MODES, PHASES, grouped_moes, set_modes
-from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported, wall_clock
+from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported, run_relative, wall_clock
 
 # A tie within the noise goes to the simpler: the sorted mode (what ran before modes were chosen), then
 # dense (plain GEMMs), then grouped (a private torch op).
@@ -140,7 +140,7 @@ def replay_expert_modes(model: nn.Module, record: dict[str, Any] | None, source:
             unavailable[mode] = unavailable.get(mode, f"unknown mode {mode!r}") + f" (replayed {phase} mode)"
     set_modes(model, modes)
     decisions = [replayed(WHAT[phase], modes[phase], source, unit="ms") for phase in PHASES]
-    return ExpertChoice(modes, runnable, unavailable, decisions, replayed_from=source)
+    return ExpertChoice(modes, runnable, unavailable, decisions, replayed_from=run_relative(source))
 
 
 def apply_modes(model: nn.Module, modes: dict[str, str] | None) -> list[str]:

@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 Timer = Callable[[Callable[[], Any]], float]
@@ -192,8 +193,22 @@ def credible(decision: Decision) -> dict[str, float]:
     return out
 
 
+def run_relative(path: str) -> str:
+    """An artifact path from its run directory on (``RUN/stages/03-x/artifacts/f``, ``RUN/artifacts/x/f``):
+    how a published decision names its source without an absolute path."""
+    parts = Path(path).parts
+    if not Path(path).is_absolute():
+        return path
+    for marker in ("stages", "artifacts"):
+        if marker in parts[1:]:
+            i = parts.index(marker)
+            return str(Path(*parts[i - 1:]))
+    return Path(path).name
+
+
 def replayed(what: str, winner: str, source: str, unit: str = "s") -> Decision:
     """A decision taken from another run (``run.decisions_from``): nothing timed here."""
+    source = run_relative(source)
     return Decision(what, unit, {}, {}, 0.0, [winner], winner, f"replayed from {source}",
                     {winner: Option(winner)}, replayed_from=source)
 

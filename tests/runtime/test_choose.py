@@ -127,4 +127,15 @@ def test_record_and_file(tmp_path) -> None:  # noqa: ANN001
     first, second = doc["decisions"]
     assert first["winner"] == "a" and first["margin"] == MIN_MARGIN and "rule" in doc
     assert [c["rounds"] for c in first["candidates"]] == [[1.0] * 3, [2.0] * 3]
-    assert second["replayed_from"] == "/runs/old" and second["reason"] == "replayed from /runs/old"
+    assert second["replayed_from"] == "old" and second["reason"] == "replayed from old"  # no absolute path
+
+
+def test_a_replayed_decision_names_its_source_from_the_run_directory_on() -> None:
+    from opus.runtime.choose import replayed, run_relative
+
+    assert run_relative("/home/u/runs/k3-1/stages/05-kv_config/artifacts/kv_config.json") == \
+        "k3-1/stages/05-kv_config/artifacts/kv_config.json"
+    assert run_relative("/home/u/runs/k3-1/artifacts/plan/plan.yaml") == "k3-1/artifacts/plan/plan.yaml"
+    assert run_relative("runs/k3-1/artifacts/plan/plan.yaml") == "runs/k3-1/artifacts/plan/plan.yaml"
+    record = replayed("plan", "plan.yaml", "/abs/runs/k3-1/artifacts/plan/plan.yaml").record()
+    assert "/abs" not in str(record) and record["replayed_from"] == "k3-1/artifacts/plan/plan.yaml"
