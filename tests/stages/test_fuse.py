@@ -10,6 +10,7 @@ from fusion_project import context, make_project
 from opus.fusion import PATTERNS, GroupedMoE
 from opus.pipeline.contracts import Failure
 from opus.pipeline.preflight import undeclared_metrics
+from opus.runtime.choose import run_relative
 from stages import fuse
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -66,7 +67,7 @@ def test_compile_choice_is_a_recorded_decision_and_replays(pipeline, tmp_path):
     assert again.metrics["compile_kept"] == 1.0 and "decode_ms_eager" not in again.metrics
     assert again.recipe[0]["compile"] == settings
     (replayed,) = json.loads((tmp_path / "again" / "artifacts" / "decisions.json").read_text())["decisions"]
-    assert replayed["winner"] == "compiled" and replayed["replayed_from"] == str(earlier / "fusion.json")
+    assert replayed["winner"] == "compiled" and replayed["replayed_from"] == run_relative(str(earlier / "fusion.json"))
 
 
 def test_failed_check_fails_loudly_or_reports(pipeline, tmp_path):

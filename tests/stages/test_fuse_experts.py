@@ -10,6 +10,7 @@ from fusion_project import context, make_project
 
 from opus.fusion import linear_ops
 from opus.fusion.moe import EXPERT_MODES, grouped_moes
+from opus.runtime.choose import run_relative
 from stages import fuse
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -49,7 +50,7 @@ def test_modes_are_measured_recorded_and_replayed(pipeline, tmp_path):
     assert again.recipe[0]["experts"] == chosen
     replayed = _artifact(tmp_path / "again", "decisions.json")["decisions"]
     assert [d["winner"] for d in replayed] == ["grouped", "dense"]
-    assert all(d["replayed_from"] == str(earlier / "fusion.json") for d in replayed)
+    assert all(d["replayed_from"] == run_relative(str(earlier / "fusion.json")) for d in replayed)
 
 
 def test_a_mode_that_cannot_run_is_reported_with_the_reason(pipeline, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from opus.models import ModelConfig
 from opus.pipeline.preflight import undeclared_metrics
 from opus.pipeline.spec import load_pipeline
 from opus.pipeline.state import materialize
+from opus.runtime.choose import run_relative
 from stages import kv_config
 
 SMALL = {"batch_sizes": [1, 2], "input_len": 6, "output_len": 3, "repeats": 1, "warmup": 0,
@@ -63,7 +64,7 @@ def test_an_earlier_runs_caches_are_replayed(tmp_path):
     assert report["winners"] == {"1": growing, "2": pooled}  # the earlier choice, not this run's timings
     assert cache_config_from_recipe(result.recipe)["kind"] == "by_batch"
     decisions = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
-    assert all(d["replayed_from"] == str(earlier / "kv_config.json") for d in decisions)
+    assert all(d["replayed_from"] == run_relative(str(earlier / "kv_config.json")) for d in decisions)
 
 
 def test_budget_limits_the_batch(tmp_path):
