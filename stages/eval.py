@@ -9,12 +9,14 @@ Side by side (``side_by_side``, on by default when a baseline stage is upstream)
 is loaded beside the candidate and P and D are timed in paired rounds (opus.runtime.paired); the
 ratios ``<key>_paired`` (median, [low, high], noisy) are what the run's summary reports and what
 gates on ratios check, at the interval's conservative end. When both models would not fit in the
-memory available now, the stage says so and the ratios fall back to the baseline stage's figures.
+memory available now (``side_by_side_mode: auto``), or when asked (``bracketed``), the candidate is
+let go and the models are timed one at a time — baseline, candidate, baseline — the two baseline runs
+bracketing the candidate's, with their drift reported (``opus.runtime.paired.measure_bracketed``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -30,6 +32,9 @@ class Config(MeasureConfig):
     fidelity: bool = True  # compare with the upstream baseline's reference
     side_by_side: bool = True  # time the unmodified model beside this one for P and D ratios
     side_by_side_rounds: int = Field(5, ge=5, description="paired rounds of P and of D")
+    side_by_side_mode: Literal["auto", "interleaved", "bracketed"] = Field(
+        "auto", description="interleaved: both models in memory, paired rounds; bracketed: one at a time, "
+                            "baseline, candidate, baseline; auto: interleaved when both fit in memory")
 
 
 def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
@@ -47,10 +52,15 @@ def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[st
         return {}
     need_mb = model_mb(measured.loaded.model)  # the unmodified model is at most about this big again x4
     available_mb = psutil.virtual_memory().available / (1 << 20)
-    if ctx.spec.model.device == "cpu" and 4 * need_mb > 0.8 * available_mb:
-        ctx.log(f"not side by side: the unmodified model may need ~{4 * need_mb:.0f} MB and {available_mb:.0f} MB "
-                "are available; ratios come from the baseline stage's figures")
-        return {}
+    mode = cfg.side_by_side_mode
+    if mode == "auto":
+        fits = ctx.spec.model.device != "cpu" or 4 * need_mb <= 0.8 * available_mb
+        mode = "interleaved" if fits else "bracketed"
+        if not fits:
+            ctx.log(f"the unmodified model may need ~{4 * need_mb:.0f} MB beside this one and {available_mb:.0f} MB "
+                    "are available: timed one at a time, baseline, candidate, baseline")
+    if mode == "bracketed":
+        return _bracketed(ctx, cfg, measured, keys)
     base_model, _ = load_base(ctx.spec, ctx.base_dir)
     w, recorded_on = ctx.workload, {}
     with recorded(recorded_on):
@@ -64,6 +74,36 @@ def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[st
                 f"[{result['low']:.3f}–{result['high']:.3f}] over {result['n']} paired rounds"
                 + (" (noisy)" if result["noisy"] else ""))
     return paired
+
+
+def _bracketed(ctx: StageContext, cfg: Config, measured: Measured, keys: list[str]) -> dict[str, Any]:
+    """Baseline, candidate, baseline, one model in memory at a time: the candidate measured so far is let go."""
+    from opus.kv.cache import cache_config_from_recipe, cache_factory
+    from opus.pipeline.state import load_base
+    from opus.runtime.machine import recorded
+    from opus.runtime.paired import measure_bracketed
+
+    def baseline() -> tuple[Any, Any]:
+        model, _ = load_base(ctx.spec, ctx.base_dir)
+        return model, cache_factory(model)
+
+    def candidate() -> tuple[Any, Any]:
+        loaded = ctx.load_model()
+        ctx.release_model()  # held only by the caller, which lets it go before the second baseline
+        return loaded.model, cache_factory(loaded.model, cache_config_from_recipe(loaded.state.get("recipe")))
+
+    measured.loaded, measured.factory = None, None  # nothing after this needs them
+    ctx.release_model()
+    recorded_on: dict[str, Any] = {}
+    with recorded(recorded_on):
+        bracketed = measure_bracketed(baseline, candidate, measured.inputs.prompts, ctx.workload.output_len, keys,
+                                      cfg.side_by_side_rounds, lambda what: measured.progress.advance(1, what))
+    measured.info["side_by_side_machine"] = recorded_on["machine"]
+    for key, result in bracketed.items():
+        noisy = " (noisy)" if result["noisy"] else ""
+        ctx.log(f"bracketed {key.removesuffix('_paired')}: ×{result['ratio']:.3f} [{result['low']:.3f}–"
+                f"{result['high']:.3f}], baseline drift {result['drift']:+.1%}{noisy}")
+    return bracketed
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:

@@ -88,6 +88,11 @@ class StageContext:
             self._loaded = materialize(self.incoming, self.spec, self.base_dir)
         return self._loaded
 
+    def release_model(self) -> None:
+        """Let go of the materialized model (its memory is freed once no one else holds it); a later
+        ``load_model`` materializes it again."""
+        self._loaded = None
+
     def write_artifact(self, name: str, obj: Any) -> Path:
         from opus.atomic import write_bytes, write_text
 

@@ -12,15 +12,19 @@ pass a speed gate by luck.
 
 ``measure_paired`` is the two-model case the eval stage uses (P and D of the baseline and the
 candidate); ``measure_interleaved`` is the general one (``opus bench``: N contenders, any figures a
-round's run returns).
+round's run returns). ``measure_bracketed`` is the eval stage's fallback when the two models do not
+fit in memory together: baseline, candidate, baseline, one model loaded at a time, the two baseline
+runs bracketing the candidate's and their drift reported.
 
 Stored beside the metric as ``<key>_paired``: ``{"ratio", "low", "high", "n", "noisy", "baseline",
 "candidate", "ratios"}`` (medians of each side's rounds under ``baseline`` / ``candidate``), and
-``"repeated": True`` when the rounds were measured a second time.
+``"repeated": True`` when the rounds were measured a second time; bracketed, also ``"method":
+"bracketed"`` and ``"drift"`` (the second baseline run over the first, less 1).
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -144,3 +148,52 @@ def measure_paired(baseline: tuple[nn.Module, CacheFactory], candidate: tuple[nn
         if summaries[key][0] is not None:
             out[paired_key(key)] = summaries[key][0]
     return out
+
+
+Loader = Callable[[], tuple[nn.Module, CacheFactory]]
+
+
+def _one_side(load: Loader, prompts: torch.Tensor, output_len: int, keys: Sequence[str], repeats: int,
+              advance: Advance, what: str) -> Figures:
+    """Load one model, time each key (a warm-up, then the median of ``repeats``), and let it go."""
+    model, factory = load()
+    figures: Figures = {}
+    for key in keys:
+        measure = MEASURES[key]
+        measure(model, prompts, output_len, factory)
+        figures[key] = statistics.median(measure(model, prompts, output_len, factory) for _ in range(repeats))
+        advance(f"{key} {what}")
+    del model, factory
+    gc.collect()
+    return figures
+
+
+def measure_bracketed(load_baseline: Loader, load_candidate: Loader, prompts: torch.Tensor, output_len: int,
+                      keys: list[str], repeats: int, advance: Advance | None = None) -> dict[str, dict[str, Any]]:
+    """Baseline, candidate, baseline — one model in memory at a time — for each of ``keys``: the ratio
+    to the mean of the two baseline runs, its interval the candidate against each of them. A drift
+    wider than ``MAX_WIDTH`` brackets once more; still too wide, the ratio is marked ``noisy``."""
+    advance = advance or (lambda _: None)
+    repeats = max(repeats, MIN_ROUNDS)
+
+    def bracket() -> dict[str, dict[str, Any]]:
+        runs = [_one_side(load, prompts, output_len, keys, repeats, advance, what)
+                for load, what in ((load_baseline, "baseline (1/2)"), (load_candidate, "candidate"),
+                                   (load_baseline, "baseline (2/2)"))]
+        out = {}
+        for key in keys:
+            first, candidate, second = (run[key] for run in runs)
+            interval = ratio_interval([(first, candidate), (second, candidate)])
+            if interval is not None:
+                out[paired_key(key)] = {**interval, "method": "bracketed", "drift": second / first - 1}
+        return out
+
+    out = bracket()
+    if any(s["noisy"] for s in out.values()):  # the machine moved while one side ran: once more
+        out = {k: {**s, "repeated": True} for k, s in bracket().items()}
+    return out
+
+
+def bracketed_units(keys: list[str]) -> int:
+    """Progress units ``measure_bracketed`` reports at most (three sides, and one repeat of them)."""
+    return len(keys) * 3 * 2

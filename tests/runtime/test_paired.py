@@ -126,3 +126,32 @@ def test_n_sides_repeat_all_rounds_when_one_ratio_is_wide() -> None:
     steady, swinging = out["p"]
     assert steady["repeated"] and not steady["noisy"] and steady["n"] == 10
     assert swinging["repeated"] and swinging["noisy"]
+
+
+def _loaders(calls: list[str]) -> tuple[Any, Any]:
+    def load(name: str) -> Any:
+        def loader() -> tuple[str, None]:
+            calls.append(f"load {name}")
+            return name, None
+        return loader
+    return load("B"), load("C")
+
+
+def test_bracketed_loads_one_model_at_a_time_baseline_candidate_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _scripted(monkeypatch, {"B": [1.0] * 6 + [1.05] * 6, "C": [2.0] * 6})
+    load_b, load_c = _loaders(calls)
+    result = paired.measure_bracketed(load_b, load_c, torch.zeros(1, 1), 1, ["throughput_tok_s"],
+                                      repeats=5)[paired_key("throughput_tok_s")]
+    assert calls == ["load B", *["B"] * 6, "load C", *["C"] * 6, "load B", *["B"] * 6]  # warm-up + 5 each
+    assert result["method"] == "bracketed" and result["drift"] == pytest.approx(0.05)
+    assert (result["low"], result["high"]) == (pytest.approx(2 / 1.05), 2.0)
+    assert result["ratio"] == pytest.approx((2 + 2 / 1.05) / 2) and not result["noisy"] and "repeated" not in result
+
+
+def test_bracketed_drift_beyond_the_limit_brackets_again_then_marks_noisy(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _scripted(monkeypatch, {"B": ([1.0] * 6 + [1.3] * 6) * 2, "C": [2.0] * 12})
+    load_b, load_c = _loaders(calls)
+    result = paired.measure_bracketed(load_b, load_c, torch.zeros(1, 1), 1, ["throughput_tok_s"],
+                                      repeats=5)[paired_key("throughput_tok_s")]
+    assert calls.count("load B") == 4 and calls.count("load C") == 2
+    assert result["repeated"] and result["noisy"] and result["drift"] == pytest.approx(0.3)

@@ -106,6 +106,13 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
         assert side["n"] >= 5 and side["low"] <= side["ratio"] <= side["high"] and side["baseline"] > 0
     alone = eval_stage.run(ctx, eval_stage.Config(side_by_side=False)).metrics
     assert paired_key("throughput_tok_s") not in alone
+    # When both would not fit: baseline, candidate, baseline, one at a time, with the drift reported.
+    bracketed = eval_stage.run(ctx, eval_stage.Config(side_by_side_mode="bracketed")).metrics
+    for key in ("throughput_tok_s", "ttft_ms"):
+        side = bracketed[paired_key(key)]
+        assert side["method"] == "bracketed" and side["n"] == 2 and isinstance(side["drift"], float)
+        assert side["low"] <= side["ratio"] <= side["high"] and side["baseline"] > 0
+    assert bracketed["agreement"] == 1.0  # fidelity was measured before the candidate was let go
 
 
 def test_eval_without_a_baseline_skips_fidelity(project, tmp_path) -> None:
