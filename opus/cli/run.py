@@ -103,7 +103,8 @@ def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
                 return f"{key} ×{value:.3f}"
             span = intervals[key]
             noisy = ", noisy" if span["noisy"] else ""
-            return f"{key} ×{value:.3f} [{span['low']:.3f}–{span['high']:.3f} side by side{noisy}]"
+            how = "bracketed" if span.get("method") == "bracketed" else "side by side"
+            return f"{key} ×{value:.3f} [{span['low']:.3f}–{span['high']:.3f} {how}{noisy}]"
 
         ratios = "  ".join(shown(k, v) for k, v in summary["ratios"].items())
         print(f"  final     {headline(summary['final'])}   ({summary['final_stage']}; {ratios})")

@@ -29,7 +29,7 @@ def build_summary(run_id: str, status: str, records: list[dict[str, Any]], rollb
         paired = chosen["metrics"].get(paired_key(key)) if chosen else None
         if isinstance(paired, dict):  # measured side by side: the ratio a run can stand behind
             ratios[key] = round(paired["ratio"], 4)
-            intervals[key] = {k: paired[k] for k in ("low", "high", "n", "noisy")}
+            intervals[key] = {k: paired[k] for k in ("low", "high", "n", "noisy", "method", "drift") if k in paired}
         elif isinstance(new, (int, float)) and isinstance(old, (int, float)) and old:
             ratios[key] = round(new / old, 4)
     return {

@@ -27,7 +27,7 @@ from opus.quant.plan import PLAN_FILE
 from opus.report import plots
 from opus.report.publish import REPORT_ASSETS, ratio_line
 from opus.runtime.choose import DECISIONS_FILE
-from opus.runtime.noise import as_range, overlap, part_spreads, spread_key
+from opus.runtime.noise import as_range, how_measured, overlap, part_spreads, spread_key
 from opus.runtime.profiling import PROFILE_FILE
 
 Block = tuple  # ("h", text) | ("p", text) | ("table", headers, rows) | ("img", name, alt) | ("note", text)
@@ -96,7 +96,7 @@ def _headline(summary: dict[str, Any]) -> list[list[str]]:
         ratio = f"×{ratios[key]:.3f}" if key in ratios else "—"
         paired = (summary.get("ratio_intervals") or {}).get(key)
         if paired:  # measured side by side with the baseline: its interval, not the two ranges, says noise
-            ratio += f" [{paired['low']:.3f}–{paired['high']:.3f} side by side, {paired['n']} rounds" + (
+            ratio += f" [{paired['low']:.3f}–{paired['high']:.3f} {how_measured(paired)}" + (
                 ", noisy]" if paired["noisy"] else "]")
         elif key in ratios and overlap(*ranges):
             ratio += f" ({NOISE_MARK})"

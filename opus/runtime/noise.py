@@ -93,3 +93,10 @@ def part_spreads(summary: dict[str, Any], part: str) -> dict[str, Any]:
         if isinstance(found, dict):
             out[name] = found
     return out
+
+
+def how_measured(interval: dict) -> str:
+    """How a ratio's interval was measured, for a person: paired rounds, or bracketed with its drift."""
+    if interval.get("method") == "bracketed":
+        return f"bracketed, baseline drift {interval.get('drift', 0.0):+.1%}"
+    return f"side by side, {interval['n']} rounds" if "n" in interval else "side by side"

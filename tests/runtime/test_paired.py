@@ -155,3 +155,20 @@ def test_bracketed_drift_beyond_the_limit_brackets_again_then_marks_noisy(monkey
                                       repeats=5)[paired_key("throughput_tok_s")]
     assert calls.count("load B") == 4 and calls.count("load C") == 2
     assert result["repeated"] and result["noisy"] and result["drift"] == pytest.approx(0.3)
+
+
+def test_a_bracketed_ratio_says_so_in_the_summary_and_the_report() -> None:
+    from opus.runtime.noise import how_measured
+
+    bracketed = {**_paired(1.5, 1.45, 1.55), "n": 2, "method": "bracketed", "drift": -0.06}
+    records = [
+        {"id": "baseline", "uses": "baseline", "status": "done", "role": "baseline", "baseline": True,
+         "metrics": {"throughput_tok_s": 50.0}, "gate": None},
+        {"id": "eval", "uses": "eval", "status": "done", "role": "eval", "baseline": False,
+         "metrics": {"throughput_tok_s": 75.0, paired_key("throughput_tok_s"): bracketed},
+         "gate": {"passed": True, "checks": [{"metric": "perplexity", "passed": True}]}},
+    ]
+    interval = build_summary("r", "finished", records, [])["ratio_intervals"]["throughput_tok_s"]
+    assert interval["method"] == "bracketed" and interval["drift"] == -0.06
+    assert how_measured(interval) == "bracketed, baseline drift -6.0%"
+    assert how_measured(_paired(1.0, 0.9, 1.1)) == "side by side, 5 rounds"
