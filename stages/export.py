@@ -62,10 +62,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     # No absolute path in a run file: a ``dir`` export is named relative to the run directory.
     info["export_dir"] = (relative_path(final, ctx.run_dir) if cfg.dir
                           else f"{ctx.stage_id} checkpoint: artifacts/export")
-    from opus.atomic import write_json
     from opus.export.targets import EXPORTS_FILE
 
-    write_json(ctx.artifact_dir / EXPORTS_FILE, {"export_dir": info["export_dir"], "targets": info["targets"]})
+    ctx.write_artifact(EXPORTS_FILE, {"export_dir": info["export_dir"], "targets": info["targets"]})
     warnings = []
     for name, target in info["targets"].items():
         if not target["exported"]:

@@ -196,9 +196,10 @@ def compare_in_transformers(model: nn.Module, out: Path, prompts: list[torch.Ten
     from loguru import logger
     from transformers import AutoModelForCausalLM
 
+    from opus.quant.formats.w8a8 import int8_activations_at_every_size
+
     logger.disable("compressed_tensors")  # one "Could not match" line per MoE expert: transformers fuses them
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
-    from opus.quant.formats.w8a8 import int8_activations_at_every_size
 
     device = next(model.parameters()).device
     max_diff, agree = 0.0, 0

@@ -252,14 +252,13 @@ def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final:
         s.progress("saving safetensors")
         tensors, aliases = changed_tensors(model, {})  # no base marks: every tensor, shared storage once
         save_file(tensors, str(out / TENSORS_FILE))
-        outcomes = [TargetOutcome("native", True, path=".",
-                                  metrics={"export_tensors_mb": (out / TENSORS_FILE).stat().st_size / 2**20})]
-        outcomes += [_run_target(name, exporter, model, tokenizer, state, out, s)
-                     for name, exporter in TARGETS if getattr(s, name)]
-        metrics: dict[str, Any] = {}
-        for outcome in outcomes:
+        native = TargetOutcome("native", True, path=".",
+                               metrics={"export_tensors_mb": (out / TENSORS_FILE).stat().st_size / 2**20})
+        outcomes = [native] + [_run_target(name, exporter, model, tokenizer, state, out, s)
+                               for name, exporter in TARGETS if getattr(s, name)]
+        metrics: dict[str, Any] = dict(native.metrics)  # the native export always happens: no native_exported
+        for outcome in outcomes[1:]:
             metrics.update(outcome.all_metrics())
-        metrics.pop("native_exported")
         info: dict[str, Any] = {"targets": {o.name: o.record() for o in outcomes}}
         model_files = write_model_files(model, tokenizer, out, s)  # before "files" hashes them
         record = {
