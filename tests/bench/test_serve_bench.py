@@ -1,0 +1,130 @@
+"""The serving benchmark: its percentiles and counts, a server that will not start, the load generator
+against llama-cpp-python's real server on a tiny GGUF (skipped without llama-cpp-python[server])."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opus.bench.serve_load import (
+    RequestResult,
+    make_client,
+    one_request,
+    percentile,
+    plan_levels,
+    run_level,
+    summarize,
+)
+from opus.bench.serve_servers import Server, ServerError, free_port
+
+HAS_LLAMA_SERVER = all(importlib.util.find_spec(m) for m in ("llama_cpp", "sse_starlette", "openai"))
+NEEDS_LLAMA_SERVER = pytest.mark.skipif(not HAS_LLAMA_SERVER, reason="llama-cpp-python[server] or openai is not "
+                                        "installed (pip install 'opus[llama]')")
+PROMPTS = ["def main import os sys print", "return value self class if", "else for in range list dict"]
+
+
+def test_percentile_on_known_inputs() -> None:
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([5, 1, 4, 2, 3], 50) == 3
+    assert percentile([1, 2, 3, 4, 5], 99) == pytest.approx(4.96)
+    assert percentile([10, 20], 25) == pytest.approx(12.5)
+    values = np.random.default_rng(0).exponential(size=101).tolist()
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_summary_counts_tokens_errors_and_rates() -> None:
+    results = [RequestResult(True, ttft_s=0.010, itl_s=[0.001, 0.003], tokens=3, chunks=3),
+               RequestResult(True, ttft_s=0.030, itl_s=[0.002], tokens=2, chunks=2),  # short: 2 of 3
+               RequestResult(False, "APIConnectionError: refused"),
+               RequestResult(False, "APIStatusError: 429")]
+    level = summarize(results, concurrency=2, max_tokens=3, wall_s=0.5)
+    assert (level.requests, level.ok, level.errors, level.short) == (4, 2, 2, 1)
+    assert level.first_error == "APIConnectionError: refused"
+    assert level.output_tokens == 5 and level.output_tok_s == pytest.approx(10.0)
+    assert level.requests_s == pytest.approx(4.0)  # completed requests only
+    assert level.ttft_ms_p50 == pytest.approx(20.0) and level.ttft_ms_p99 == pytest.approx(29.8)
+    assert level.itl_ms_p50 == pytest.approx(2.0) and level.itl_ms_p99 == pytest.approx(2.98)
+
+
+def test_a_sweep_gives_every_request_and_warm_up_its_own_prompt() -> None:
+    levels, total = plan_levels([1, 2, 4], lambda c: 2 * c)
+    assert [(lv.concurrency, lv.requests, lv.first_prompt) for lv in levels] == [(1, 2, 0), (2, 4, 3), (4, 8, 9)]
+    assert total == 21  # 14 timed requests and 7 warm-up requests
+
+
+def test_errors_counted_when_the_server_is_down() -> None:
+    port = free_port()  # nothing listens there
+    level = asyncio.run(run_level(f"http://127.0.0.1:{port}", "m", PROMPTS, 4, concurrency=2, requests=5))
+    assert (level.requests, level.ok, level.errors, level.output_tokens) == (5, 0, 5, 0)
+    assert level.first_error and "Connection" in level.first_error
+    assert level.ttft_ms_p99 is None and level.output_tok_s == 0
+
+
+def test_a_server_that_dies_is_an_error_with_its_log(tmp_path) -> None:
+    code = "import sys; print('model file is broken'); sys.exit(3)"
+    server = Server("llama.cpp", [sys.executable, "-c", code], free_port(), "/v1/models", tmp_path / "s.log")
+    with pytest.raises(ServerError, match=r"exited with code 3(.|\n)*model file is broken"):
+        server.start(timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """The tiny bench project's Llama as a float GGUF (Opus's writer, as the export stage writes it)."""
+    from opus.export.gguf_mix import export_gguf
+    from opus.export.native import ExportSettings
+    from opus.models import load_model
+    from tests.bench.project import make_project
+
+    root = tmp_path_factory.mktemp("serve")
+    make_project(root)
+    model, tokenizer = load_model({"hf": str(root / "model")}, root)
+    outcome = export_gguf(model, tokenizer, {}, root / "export", ExportSettings(source={"hf": "model"}, base_dir=root))
+    assert outcome.exported, outcome.reason
+    return root / "export" / str(outcome.path)
+
+
+@pytest.fixture(scope="module")
+def llama_server(tiny_gguf, tmp_path_factory):  # noqa: ANN201 - a fixture
+    from opus.bench.serve_servers import llamacpp_server
+
+    server = llamacpp_server(tiny_gguf, threads=1, n_ctx=128, log_dir=tmp_path_factory.mktemp("logs"))
+    with server.start(timeout_s=120):
+        yield server
+
+
+@NEEDS_LLAMA_SERVER
+def test_load_generator_against_llama_cpp_server(llama_server) -> None:
+    assert llama_server.extra_body["logit_bias"] == {"0": -1e9}  # <|endoftext|>, the tiny vocabulary's only EOG
+    level = asyncio.run(run_level(llama_server.url, llama_server.model, PROMPTS, 12, concurrency=2, requests=5,
+                                  extra_body=llama_server.extra_body))
+    assert (level.requests, level.ok, level.errors, level.short) == (5, 5, 0, 0), level.first_error
+    assert level.output_tokens == 5 * 12 and level.tokens_counted_by == "chunks"  # no usage in its stream
+    assert 0 < level.ttft_ms_p50 <= level.ttft_ms_p99 < level.wall_s * 1000
+    assert level.itl_ms_p50 is not None and level.output_tok_s == pytest.approx(60 / level.wall_s)
+
+
+@NEEDS_LLAMA_SERVER
+def test_streamed_tokens_equal_the_server_s_usage(llama_server) -> None:
+    """What the stream delivered, counted chunk by chunk, is what the server says it generated for the same
+    greedy request without streaming; a server made to stop at once delivers no token and that is an error."""
+    async def both(extra_body: dict) -> tuple[RequestResult, int]:
+        client = make_client(llama_server.url)
+        try:
+            streamed = await one_request(client, llama_server.model, PROMPTS[0], 9, extra_body)
+            whole = await client.completions.create(model=llama_server.model, prompt=PROMPTS[0], max_tokens=9,
+                                                    temperature=0.0, extra_body=extra_body)
+            return streamed, whole.usage.completion_tokens
+        finally:
+            await client.close()
+
+    streamed, usage = asyncio.run(both(llama_server.extra_body))
+    assert streamed.ok and streamed.tokens == usage == 9 and len(streamed.itl_s) == 8
+    stopped, usage = asyncio.run(both({"logit_bias": {"0": 1e9}}))  # end of text forced first
+    assert usage == 0 and not stopped.ok and stopped.error == "the stream ended without a token"
