@@ -273,30 +273,38 @@ def user_gguf(ctx: BenchContext) -> Built:
     return _load(ctx, path, [f"GGUF given: {path}"])
 
 
-def planned_mix(ctx: BenchContext) -> Built:
-    """The Opus run's final model as a GGUF with the plan's mix (``opus.export.gguf_mix``), in llama.cpp."""
-    _require_llama()
-    if ctx.checkpoint is None:
-        raise Unavailable(ctx.no_run_reason or "no Opus run given")
+def plan_gguf(checkpoint: Path, spec: Any, base_dir: Path, source: dict[str, Any], tokenizer: Any,
+              out: Path) -> tuple[Path, list[str]]:
+    """An Opus run's final model (``checkpoint``) written as a GGUF with the plan's mix
+    (``opus.export.gguf_mix``) under ``out``: the file and what the notes say of it."""
     from opus.export.gguf_mix import export_gguf
     from opus.export.native import ExportSettings
     from opus.pipeline.state import materialize
 
-    loaded = materialize(ctx.checkpoint, ctx.spec, ctx.base_dir)
-    out = ctx.work_dir / "llama-plan"
-    outcome = export_gguf(loaded.model, loaded.tokenizer or ctx.tokenizer, loaded.state, out,
-                          ExportSettings(source=ctx.source, base_dir=ctx.base_dir))
+    loaded = materialize(checkpoint, spec, base_dir)
+    outcome = export_gguf(loaded.model, loaded.tokenizer or tokenizer, loaded.state, out,
+                          ExportSettings(source=source, base_dir=base_dir))
     del loaded
     if not outcome.exported:
         raise Unavailable(f"the run's final model has no GGUF form: {outcome.reason}")
     mix = ", ".join(f"{kind} {share:.0%}" for kind, share in outcome.info["tensor_type_mix"].items())
-    notes = [f"GGUF of the final model of {ctx.checkpoint.parent.parent.name} (checkpoint {ctx.checkpoint.name}) "
+    notes = [f"GGUF of the final model of {checkpoint.parent.parent.name} (checkpoint {checkpoint.name}) "
              f"written by opus.export.gguf_mix: {mix} of the weights; layers: "
              + ", ".join(f"{k} ×{n}" for k, n in outcome.info["layer_formats"].items())]
     if outcome.layers_not_as_planned:
         notes.append(f"{len(outcome.layers_not_as_planned)} layers not in their planned type, e.g. "
                      + "; ".join(f"{k}: {v}" for k, v in list(outcome.layers_not_as_planned.items())[:2]))
-    return _load(ctx, out / str(outcome.path), notes)
+    return out / str(outcome.path), notes
+
+
+def planned_mix(ctx: BenchContext) -> Built:
+    """The Opus run's final model as a GGUF with the plan's mix (``opus.export.gguf_mix``), in llama.cpp."""
+    _require_llama()
+    if ctx.checkpoint is None:
+        raise Unavailable(ctx.no_run_reason or "no Opus run given")
+    path, notes = plan_gguf(ctx.checkpoint, ctx.spec, ctx.base_dir, ctx.source, ctx.tokenizer,
+                            ctx.work_dir / "llama-plan")
+    return _load(ctx, path, notes)
 
 
 PLANNED = Contender("llama-plan", "llama.cpp on the run's plan as GGUF (each layer in its format's type)",

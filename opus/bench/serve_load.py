@@ -55,21 +55,44 @@ class RequestResult:
 
 
 @dataclass
+class LevelRun:
+    """One pass of a level against one server: every request's result and the pass's wall time."""
+    results: list[RequestResult]
+    wall_s: float
+
+    @property
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    @property
+    def output_tok_s(self) -> float:
+        return sum(r.tokens for r in self.ok) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ttft_ms_p99(self) -> float | None:
+        return percentile([r.ttft_s * 1000 for r in self.ok if r.ttft_s is not None], 99)
+
+
+@dataclass
 class LevelResult:
+    """A level against one server over its rounds: counts summed, latency percentiles over every request
+    of every round, output tok/s and req/s the median of the rounds' (with their range)."""
     concurrency: int
+    rounds: int
     requests: int
     ok: int
     errors: int
     first_error: str | None
     short: int  # requests that completed with fewer tokens than max_tokens
-    wall_s: float
+    wall_s: float  # all rounds together
     output_tokens: int
-    tokens_counted_by: str  # "usage", "chunks" or "usage+chunks" (mixed)
+    tokens_counted_by: str  # "usage", "chunks" or "chunks+usage" (mixed)
     ttft_ms_p50: float | None
     ttft_ms_p99: float | None
     itl_ms_p50: float | None
     itl_ms_p99: float | None
     output_tok_s: float
+    output_tok_s_range: tuple[float, float]
     requests_s: float
 
     def record(self) -> dict[str, Any]:
@@ -136,26 +159,31 @@ def make_client(base_url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
 @dataclass(frozen=True)
 class Level:
     concurrency: int
-    requests: int
-    first_prompt: int  # its requests take the prompts from here on, then its warm-up wave
+    requests: int  # per round
+    first_prompt: int  # round r takes the prompts from first(r) on: its requests, then its warm-up wave
+    prompts_per_round: int
+
+    def first(self, round_index: int) -> int:
+        return self.first_prompt + round_index * self.prompts_per_round
 
 
-def plan_levels(levels: Sequence[int], requests: Callable[[int], int] = requests_per_level,
+def plan_levels(levels: Sequence[int], requests: Callable[[int], int] = requests_per_level, rounds: int = 1,
                 warmup: bool = True) -> tuple[list[Level], int]:
-    """The levels of a sweep, each on the prompts after the previous level's (its requests, then its
-    warm-up wave), and how many prompts the sweep takes in all."""
+    """The levels of a sweep, each round of each level on the prompts after the previous one's (its
+    requests, then its warm-up wave), and how many prompts the sweep takes in all."""
     planned, first = [], 0
     for concurrency in levels:
         count = requests(concurrency)
-        planned.append(Level(concurrency, count, first))
-        first += count + (concurrency if warmup else 0)
+        per_round = count + (concurrency if warmup else 0)
+        planned.append(Level(concurrency, count, first, per_round))
+        first += rounds * per_round
     return planned, first
 
 
 async def run_level(base_url: str, model: str, prompts: Sequence[str], max_tokens: int, concurrency: int,
                     requests: int, extra_body: dict[str, Any] | None = None,
                     on_done: Callable[[RequestResult], None] | None = None,
-                    warmup: bool = True, first_prompt: int = 0) -> LevelResult:
+                    warmup: bool = True, first_prompt: int = 0) -> LevelRun:
     """``requests`` requests from ``concurrency`` clients, each sending back to back; request i gets
     prompt ``first_prompt + i`` (mod len(prompts)), so every server sees the same prompts in the same
     order, and a sweep that gives each level its own prompts never repeats one (a prefix cache would
@@ -191,30 +219,36 @@ async def run_level(base_url: str, model: str, prompts: Sequence[str], max_token
         wall = time.perf_counter() - start
     finally:
         await client.close()
-    return summarize(results, concurrency, max_tokens, wall)
+    return LevelRun(results, wall)
 
 
-def summarize(results: list[RequestResult], concurrency: int, max_tokens: int, wall_s: float) -> LevelResult:
+def summarize(runs: list[LevelRun], concurrency: int, max_tokens: int) -> LevelResult:
+    results = [r for run in runs for r in run.results]
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
-    tokens = sum(r.tokens for r in ok)
     ttft = [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]
     itl = [gap * 1000 for r in ok for gap in r.itl_s]
-    counted = sorted({r.counted_by for r in ok})
+    rates = [run.output_tok_s for run in runs]
     return LevelResult(
-        concurrency=concurrency, requests=len(results), ok=len(ok), errors=len(failed),
+        concurrency=concurrency, rounds=len(runs), requests=len(results), ok=len(ok), errors=len(failed),
         first_error=failed[0].error if failed else None, short=sum(r.tokens < max_tokens for r in ok),
-        wall_s=wall_s, output_tokens=tokens, tokens_counted_by="+".join(counted) or "none",
+        wall_s=sum(run.wall_s for run in runs), output_tokens=sum(r.tokens for r in ok),
+        tokens_counted_by="+".join(sorted({r.counted_by for r in ok})) or "none",
         ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
         itl_ms_p50=percentile(itl, 50), itl_ms_p99=percentile(itl, 99),
-        output_tok_s=tokens / wall_s if wall_s > 0 else 0.0, requests_s=len(ok) / wall_s if wall_s > 0 else 0.0)
+        output_tok_s=percentile(rates, 50) or 0.0,
+        output_tok_s_range=(min(rates, default=0.0), max(rates, default=0.0)),
+        requests_s=percentile([len(run.ok) / run.wall_s if run.wall_s > 0 else 0.0 for run in runs], 50) or 0.0)
 
 
 def sweep(base_url: str, model: str, prompts: Sequence[str], max_tokens: int,
           levels: Sequence[int] = DEFAULT_LEVELS, extra_body: dict[str, Any] | None = None,
           requests: Callable[[int], int] = requests_per_level,
           on_done: Callable[[RequestResult], None] | None = None) -> list[LevelResult]:
-    """Every level in turn against one server (``opus bench --serve`` alternates two servers per level)."""
-    return [asyncio.run(run_level(base_url, model, prompts, max_tokens, level.concurrency, level.requests,
-                                  extra_body, on_done, first_prompt=level.first_prompt))
-            for level in plan_levels(levels, requests)[0]]
+    """Every level once, in turn, against one server (``opus bench --serve`` alternates two servers)."""
+    results = []
+    for level in plan_levels(levels, requests)[0]:
+        run = asyncio.run(run_level(base_url, model, prompts, max_tokens, level.concurrency, level.requests,
+                                    extra_body, on_done, first_prompt=level.first(0)))
+        results.append(summarize([run], level.concurrency, max_tokens))
+    return results

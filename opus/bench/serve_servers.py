@@ -132,18 +132,19 @@ def free_port() -> int:
 
 
 def opus_server(target: Path, threads: int, log_dir: Path, max_batch: int | None = None,
-                kv_budget_mb: float | None = None) -> Server:
+                kv_budget_mb: float | None = None, eager: bool = False) -> Server:
     port = free_port()
-    command = [sys.executable, "-m", "opus.cli.main", "serve", str(target), "--host", "127.0.0.1",
-               "--port", str(port), "--threads", str(threads)]
+    flags = ["--threads", str(threads)]
     if max_batch is not None:
-        command += ["--max-batch", str(max_batch)]
+        flags += ["--max-batch", str(max_batch)]
     if kv_budget_mb is not None:
-        command += ["--kv-budget-mb", f"{kv_budget_mb:g}"]
+        flags += ["--kv-budget-mb", f"{kv_budget_mb:g}"]
+    if eager:
+        flags.append("--eager")
+    command = [sys.executable, "-m", "opus.cli.main", "serve", str(target), "--host", "127.0.0.1",
+               "--port", str(port), *flags]
     return Server("opus", command, port, "/health", log_dir / "opus-serve.log", {"ignore_eos": True},
-                  [f"opus serve {target} --threads {threads}" + (f" --max-batch {max_batch}" if max_batch else "")
-                   + (f" --kv-budget-mb {kv_budget_mb:g}" if kv_budget_mb is not None else "")
-                   + "; fixed output lengths: ignore_eos"])
+                  [f"opus serve {target} {' '.join(flags)}; fixed output lengths: ignore_eos"])
 
 
 def eog_tokens(gguf: Path) -> list[int]:

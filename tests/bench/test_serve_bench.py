@@ -1,10 +1,12 @@
 """The serving benchmark: its percentiles and counts, a server that will not start, the load generator
-against llama-cpp-python's real server on a tiny GGUF (skipped without llama-cpp-python[server])."""
+against llama-cpp-python's real server on a tiny GGUF (skipped without llama-cpp-python[server]), and
+``opus bench --serve``'s input errors."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 from opus.bench.serve_load import (
+    LevelRun,
     RequestResult,
     make_client,
     one_request,
@@ -21,6 +24,8 @@ from opus.bench.serve_load import (
     summarize,
 )
 from opus.bench.serve_servers import Server, ServerError, free_port
+from opus.cli.main import main
+from opus.errors import EXIT_INVALID
 
 HAS_LLAMA_SERVER = all(importlib.util.find_spec(m) for m in ("llama_cpp", "sse_starlette", "openai"))
 NEEDS_LLAMA_SERVER = pytest.mark.skipif(not HAS_LLAMA_SERVER, reason="llama-cpp-python[server] or openai is not "
@@ -40,28 +45,34 @@ def test_percentile_on_known_inputs() -> None:
 
 
 def test_summary_counts_tokens_errors_and_rates() -> None:
-    results = [RequestResult(True, ttft_s=0.010, itl_s=[0.001, 0.003], tokens=3, chunks=3),
-               RequestResult(True, ttft_s=0.030, itl_s=[0.002], tokens=2, chunks=2),  # short: 2 of 3
-               RequestResult(False, "APIConnectionError: refused"),
-               RequestResult(False, "APIStatusError: 429")]
-    level = summarize(results, concurrency=2, max_tokens=3, wall_s=0.5)
-    assert (level.requests, level.ok, level.errors, level.short) == (4, 2, 2, 1)
+    first = LevelRun([RequestResult(True, ttft_s=0.010, itl_s=[0.001, 0.003], tokens=3, chunks=3),
+                      RequestResult(True, ttft_s=0.030, itl_s=[0.002], tokens=2, chunks=2),  # short: 2 of 3
+                      RequestResult(False, "APIConnectionError: refused")], wall_s=0.5)
+    second = LevelRun([RequestResult(False, "APIStatusError: 429"),
+                       RequestResult(True, ttft_s=0.020, itl_s=[0.004, 0.005], tokens=3, chunks=3)], wall_s=0.1)
+    level = summarize([first, second], concurrency=2, max_tokens=3)
+    assert (level.rounds, level.requests, level.ok, level.errors, level.short) == (2, 5, 3, 2, 1)
     assert level.first_error == "APIConnectionError: refused"
-    assert level.output_tokens == 5 and level.output_tok_s == pytest.approx(10.0)
-    assert level.requests_s == pytest.approx(4.0)  # completed requests only
-    assert level.ttft_ms_p50 == pytest.approx(20.0) and level.ttft_ms_p99 == pytest.approx(29.8)
-    assert level.itl_ms_p50 == pytest.approx(2.0) and level.itl_ms_p99 == pytest.approx(2.98)
+    assert level.output_tokens == 8 and level.wall_s == pytest.approx(0.6)
+    assert level.output_tok_s == pytest.approx((10 + 30) / 2) and level.output_tok_s_range == (10, 30)
+    assert level.requests_s == pytest.approx((4 + 10) / 2)  # completed requests only
+    assert level.ttft_ms_p50 == pytest.approx(20.0) and level.ttft_ms_p99 == pytest.approx(29.8)  # every round's
+    assert level.itl_ms_p50 == pytest.approx(3.0) and level.itl_ms_p99 == pytest.approx(4.96)
+    assert first.ttft_ms_p99 == pytest.approx(29.8) and second.output_tok_s == pytest.approx(30)
 
 
 def test_a_sweep_gives_every_request_and_warm_up_its_own_prompt() -> None:
     levels, total = plan_levels([1, 2, 4], lambda c: 2 * c)
     assert [(lv.concurrency, lv.requests, lv.first_prompt) for lv in levels] == [(1, 2, 0), (2, 4, 3), (4, 8, 9)]
     assert total == 21  # 14 timed requests and 7 warm-up requests
+    levels, total = plan_levels([1, 2], lambda c: 2 * c, rounds=3)
+    assert [levels[1].first(r) for r in range(3)] == [9, 15, 21] and total == 27
 
 
 def test_errors_counted_when_the_server_is_down() -> None:
     port = free_port()  # nothing listens there
-    level = asyncio.run(run_level(f"http://127.0.0.1:{port}", "m", PROMPTS, 4, concurrency=2, requests=5))
+    run = asyncio.run(run_level(f"http://127.0.0.1:{port}", "m", PROMPTS, 4, concurrency=2, requests=5))
+    level = summarize([run], 2, 4)
     assert (level.requests, level.ok, level.errors, level.output_tokens) == (5, 0, 5, 0)
     assert level.first_error and "Connection" in level.first_error
     assert level.ttft_ms_p99 is None and level.output_tok_s == 0
@@ -72,6 +83,32 @@ def test_a_server_that_dies_is_an_error_with_its_log(tmp_path) -> None:
     server = Server("llama.cpp", [sys.executable, "-c", code], free_port(), "/v1/models", tmp_path / "s.log")
     with pytest.raises(ServerError, match=r"exited with code 3(.|\n)*model file is broken"):
         server.start(timeout_s=30)
+
+
+def test_serve_options_are_checked_before_anything_starts(tmp_path, capsys) -> None:
+    assert main(["bench", "--serve", str(tmp_path), "--concurrency", "1,x"]) == EXIT_INVALID
+    assert "--concurrency" in capsys.readouterr().err
+    assert main(["bench", "--serve", str(tmp_path), "--only", "fp32"]) == EXIT_INVALID
+    assert "--only: does not apply" in capsys.readouterr().err
+    assert main(["bench", "--serve", str(tmp_path), "--output-len", "0"]) == EXIT_INVALID
+    assert main(["bench", "--serve", str(tmp_path)]) == EXIT_INVALID  # not a run directory
+    assert "no run.json" in capsys.readouterr().err
+
+
+def test_prompts_are_windows_of_the_pipeline_s_text_at_distinct_offsets(tmp_path) -> None:
+    from opus.bench.serve_run import _tokenizer, serve_prompts
+    from opus.bench.target import resolve_target
+    from tests.bench.project import make_project
+
+    target = resolve_target(make_project(tmp_path), tmp_path / "runs")
+    tokenizer = _tokenizer(target)
+    prompts, source = serve_prompts(target, tokenizer, 40, 16)
+    assert len(prompts) == 40 and len(set(prompts)) == 40 and "40 16-token windows at distinct offsets" in source
+    assert all(abs(len(tokenizer(p)["input_ids"]) - 16) <= 2 for p in prompts)  # text again: about 16 tokens
+    again, _ = serve_prompts(target, tokenizer, 40, 16)
+    assert again == prompts  # seeded: the same prompts for every server and every bench
+    few, source = serve_prompts(target, tokenizer, 10_000, 200)  # the text has fewer than 10 000 windows
+    assert len(few) < 10_000 and "in turn" in source
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +139,9 @@ def llama_server(tiny_gguf, tmp_path_factory):  # noqa: ANN201 - a fixture
 @NEEDS_LLAMA_SERVER
 def test_load_generator_against_llama_cpp_server(llama_server) -> None:
     assert llama_server.extra_body["logit_bias"] == {"0": -1e9}  # <|endoftext|>, the tiny vocabulary's only EOG
-    level = asyncio.run(run_level(llama_server.url, llama_server.model, PROMPTS, 12, concurrency=2, requests=5,
-                                  extra_body=llama_server.extra_body))
+    run = asyncio.run(run_level(llama_server.url, llama_server.model, PROMPTS, 12, concurrency=2, requests=5,
+                                extra_body=llama_server.extra_body))
+    level = summarize([run], 2, 12)
     assert (level.requests, level.ok, level.errors, level.short) == (5, 5, 0, 0), level.first_error
     assert level.output_tokens == 5 * 12 and level.tokens_counted_by == "chunks"  # no usage in its stream
     assert 0 < level.ttft_ms_p50 <= level.ttft_ms_p99 < level.wall_s * 1000
@@ -128,3 +166,34 @@ def test_streamed_tokens_equal_the_server_s_usage(llama_server) -> None:
     assert streamed.ok and streamed.tokens == usage == 9 and len(streamed.itl_s) == 8
     stopped, usage = asyncio.run(both({"logit_bias": {"0": 1e9}}))  # end of text forced first
     assert usage == 0 and not stopped.ok and stopped.error == "the stream ended without a token"
+
+
+HAS_OPUS_SERVER = all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "opus.cli.serve"))
+
+
+@NEEDS_LLAMA_SERVER
+@pytest.mark.skipif(not HAS_OPUS_SERVER, reason="opus serve (opus.cli.serve, fastapi, uvicorn) is not here")
+def test_bench_serve_end_to_end_on_the_smoke_run(smoke_run, tmp_path, capsys) -> None:
+    """``opus bench --serve`` on the session's smoke run (K3, every stage, its GGUF exported): both servers
+    started, two levels in two rounds each, every request answered at its fixed length, the files written."""
+    assert smoke_run.summary is not None and smoke_run.summary["status"] == "finished", smoke_run.result.tail()
+    out = tmp_path / "out"
+    assert main(["bench", "--serve", str(smoke_run.run_dir), "--concurrency", "1,2", "--requests", "2", "--rounds",
+                 "2", "--input-len", "24", "--output-len", "6", "--threads", "1", "--eager", "--out", str(out),
+                 "--format", "json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert json.loads((out / "serve.json").read_text()) == report
+    assert (out / "serve.png").read_bytes()[:4] == b"\x89PNG" and "| 2 | opus |" in (out / "serve.md").read_text()
+    for name, counted in (("opus", "usage"), ("llama.cpp", "chunks")):
+        server = report["servers"][name]
+        for level in server["levels"]:
+            assert (level["rounds"], level["requests"], level["ok"], level["short"]) == (2, 4, 4, 0), level
+            assert level["output_tokens"] == 4 * 6 and level["tokens_counted_by"] == counted
+            assert 0 < level["ttft_ms_p50"] <= level["ttft_ms_p99"] and level["itl_ms_p50"] is not None
+        assert Path(server["log"]).is_file()
+    assert report["servers"]["opus"]["exit_code"] == 0  # SIGTERM drains and exits 0
+    assert any("the run's export" in note for note in report["servers"]["llama.cpp"]["notes"])
+    for ratio in report["ratios"]:
+        assert ratio["orders"] == [["opus", "llama.cpp"], ["llama.cpp", "opus"]]  # the first server alternates
+        assert ratio["paired_rounds"] == 2 and ratio["output_tok_s"] > 0 and ratio["ttft_ms_p99"] > 0
+    assert report["machine"]["threads"] == 1 and "load" in report["environment"]
