@@ -16,9 +16,9 @@ from opus.errors import EXIT_INTERRUPTED, EXIT_OK, OpusError
 def _groups() -> list[ModuleType]:
     """The command groups, each with ``add_parsers(sub)`` and ``COMMANDS`` (imported lazily: torch and the
     bench contenders load only for the commands that need them)."""
-    from opus.cli import bench, doctor, history, inspect, run
+    from opus.cli import bench, doctor, history, inspect, run, serve
 
-    return [run, inspect, doctor, history, bench]
+    return [run, inspect, doctor, history, bench, serve]
 
 
 def _parser(groups: list[ModuleType]) -> argparse.ArgumentParser:

@@ -146,16 +146,23 @@ def compiled_step(model: nn.Module) -> Step:
     """The model's decode step compiled (once per model; inductor recompiles per batch and slot count)."""
     step = _STEPS.get(model)
     if step is None:
-        # No guards on the model's modules: checking them cost ~0.16 ms per K3 step, an eighth of the
-        # step. Safe here: a compiled step belongs to one model, whose weights are frozen; shapes and
-        # dtypes of the step's tensors are still guarded (a new batch size or slot count recompiles).
-        # Without those guards, dynamo would hand one model's graph to another model's step (compiled
-        # code is cached per code object): each model's step gets a code object of its own.
-        options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        step = _with_fallback(model, torch.compile(_own_code(eager_step(model)), fullgraph=True, dynamic=False,
-                                                   options=options))
+        step = _with_fallback(model, compile_step(eager_step(model)))
         _STEPS[model] = step
     return step
+
+
+def compile_step(fn: Step, dynamic: bool | None = False) -> Step:
+    """``fn`` (a step of one frozen model) compiled into one C++ graph per input shape.
+
+    No guards on the model's modules: checking them cost ~0.16 ms per K3 step, an eighth of the
+    step. Safe here: a compiled step belongs to one model, whose weights are frozen; shapes and
+    dtypes of the step's tensors are still guarded (a new batch size or slot count recompiles, unless
+    the dimension was marked dynamic). Without those guards, dynamo would hand one model's graph to
+    another model's step (compiled code is cached per code object): each step gets a code object of
+    its own. ``dynamic``: as torch.compile's (None lets ``mark_dynamic`` dimensions stay symbolic).
+    """
+    options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    return torch.compile(_own_code(fn), fullgraph=True, dynamic=dynamic, options=options)
 
 
 def _own_code(fn: Step) -> Step:

@@ -80,7 +80,7 @@ class RotaryEmbedding(nn.Module):
         """cos, sin at ``positions``; ``theta`` another base (gemma3's local layers)."""
         exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
         inv_freq = 1.0 / ((self.theta if theta is None else theta)**exponent)
-        freqs = positions.float()[:, None] * inv_freq[None, :]
+        freqs = positions.float().unsqueeze(-1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -138,15 +138,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa:
     # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
     # Otherwise T new tokens attend causally among themselves and fully to the S - T cached ones;
     # a single decode token attends to everything, so it needs no mask — unless the cache returned
-    # slots not written yet, and a mask (``[T, S]``, True = visible) with them.
+    # slots not written yet, and a mask (``[T, S]``, or ``[B, 1, T, S]`` per row; True = visible) with them.
     t, s = q.shape[2], k.shape[2]
     if mask is not None and gqa:
         # Query head h reads KV head h // group: fold each group into the query length so every
         # cache slot is read once, never expanded per head (compiled, enable_gqa copied the cache).
         b, heads, _, d = q.shape
         group = heads // k.shape[1]
-        out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], group * t, d), k, v,
-                                             attn_mask=mask.repeat(group, 1))
+        folded = mask.repeat(group, 1) if mask.dim() == 2 else mask.repeat(1, 1, group, 1)
+        out = F.scaled_dot_product_attention(q.reshape(b, k.shape[1], group * t, d), k, v, attn_mask=folded)
         return out.view(b, heads, t, d)
     if mask is None and not causal and t > 1:
         rows = torch.arange(t, device=q.device)[:, None] + (s - t)
@@ -314,6 +314,10 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, h.dtype)
         local = self.config.rope_local_theta
         cos_local, sin_local = self.model.rotary_emb(positions, h.dtype, local) if local is not None else (cos, sin)
+        if given is not None and given.dim() == 2:
+            # Per-row positions ([B, T]: requests at different points of their text, opus.serve's continuous
+            # batching): cos/sin [B, 1, T, D] broadcast over the heads of q/k [B, H, T, D].
+            cos, sin, cos_local, sin_local = (c.unsqueeze(1) for c in (cos, sin, cos_local, sin_local))
         causal = cache is None or (given is None and start_pos == 0)
         for i, layer in enumerate(self.model.layers):
             if self.config.sliding_layers[i]:
