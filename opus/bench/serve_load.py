@@ -50,6 +50,7 @@ class RequestResult:
     tokens: int = 0  # completion tokens received
     chunks: int = 0  # stream chunks that carried tokens
     counted_by: str = "chunks"  # "usage" when the stream ended with the server's usage
+    prompt_tokens: int | None = None  # the prompt as the server tokenized it, when its usage says
     started: float = 0.0
     ended: float = 0.0
 
@@ -91,6 +92,7 @@ class LevelResult:
     ttft_ms_p99: float | None
     itl_ms_p50: float | None
     itl_ms_p99: float | None
+    prompt_tokens_p50: float | None  # from the server's usage; None when it sends none
     output_tok_s: float
     output_tok_s_range: tuple[float, float]
     requests_s: float
@@ -124,7 +126,7 @@ async def one_request(client: Any, model: str, prompt: str, max_tokens: int,
     so both servers do the same work for the same prompt."""
     started = time.perf_counter()
     times: list[float] = []
-    usage_tokens = None
+    usage_tokens = prompt_tokens = None
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -132,7 +134,7 @@ async def one_request(client: Any, model: str, prompt: str, max_tokens: int,
         async for chunk in stream:
             now = time.perf_counter()
             if getattr(chunk, "usage", None) is not None and chunk.usage.completion_tokens is not None:
-                usage_tokens = int(chunk.usage.completion_tokens)
+                usage_tokens, prompt_tokens = int(chunk.usage.completion_tokens), chunk.usage.prompt_tokens
             if _token_chunk(chunk):
                 times.append(now)
     except Exception as exc:  # noqa: BLE001 - any failure of a request is that request's error, counted
@@ -144,7 +146,7 @@ async def one_request(client: Any, model: str, prompt: str, max_tokens: int,
     if not times:
         return RequestResult(False, "the stream ended without a token", started=started, ended=ended)
     return RequestResult(True, None, times[0] - started, _itl(times, tokens), tokens, len(times),
-                         "usage" if usage_tokens is not None else "chunks", started, ended)
+                         "usage" if usage_tokens is not None else "chunks", prompt_tokens, started, ended)
 
 
 def make_client(base_url: str, timeout_s: float = REQUEST_TIMEOUT_S) -> Any:
@@ -236,6 +238,7 @@ def summarize(runs: list[LevelRun], concurrency: int, max_tokens: int) -> LevelR
         tokens_counted_by="+".join(sorted({r.counted_by for r in ok})) or "none",
         ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
         itl_ms_p50=percentile(itl, 50), itl_ms_p99=percentile(itl, 99),
+        prompt_tokens_p50=percentile([r.prompt_tokens for r in ok if r.prompt_tokens is not None], 50),
         output_tok_s=percentile(rates, 50) or 0.0,
         output_tok_s_range=(min(rates, default=0.0), max(rates, default=0.0)),
         requests_s=percentile([len(run.ok) / run.wall_s if run.wall_s > 0 else 0.0 for run in runs], 50) or 0.0)

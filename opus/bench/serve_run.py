@@ -47,6 +47,9 @@ METHOD = ("each level R rounds; a round runs the level on each server, one right
           "llama.cpp, the median of the per-round ratios [min–max]")
 
 
+PROMPTS_COUNTED = 8  # prompts whose length is asked of a server that reports no usage
+
+
 @dataclass
 class ServeRequest:
     target: Path
@@ -195,9 +198,18 @@ def run_serve_bench(request: ServeRequest, out: Path | None, display: Any) -> di
                     # What opus serve says it loaded (context, batch, KV blocks, compiled or eager decode steps).
                     said = [line for line in server.tail(40).splitlines() if line.startswith("loaded ")]
                     server.notes += said[:1]
+                    counts = [n for n in (server.count_tokens(p) for p in prompts[:PROMPTS_COUNTED]) if n is not None]
+                    if counts:  # a server whose stream has no usage: how long the prompts are in its tokenizer
+                        server.notes.append(f"prompts in its tokenizer: median {percentile(counts, 50):.0f} tokens "
+                                            f"(the first {len(counts)}; {input_len} in the pipeline's)")
                 results, paired = interleave(servers, prompts, output_len, levels, request.rounds, display)
             finally:
                 exit_codes = {server.name: server.stop() for server in servers}
+    for server in servers:  # a server whose usage counted the prompts: how long they were in its tokenizer
+        used = [level.prompt_tokens_p50 for level in results[server.name] if level and level.prompt_tokens_p50]
+        if used:
+            server.notes.append(f"prompts in its tokenizer: median {percentile(used, 50):.0f} tokens (its usage; "
+                                f"{input_len} in the pipeline's)")
     report["servers"] = {s.name: {"notes": s.notes, "model": s.model, "log": str(s.log),
                                   "exit_code": exit_codes[s.name],
                                   "levels": [r.record() if r else None for r in results[s.name]]} for s in servers}

@@ -47,6 +47,7 @@ class Server:
     log: Path
     extra_body: dict[str, Any] = field(default_factory=dict)  # what each request adds for fixed lengths
     notes: list[str] = field(default_factory=list)
+    count_path: str | None = None  # an endpoint that counts a text's tokens in the server's tokenizer
     model: str = ""  # the model id its /v1/models lists, filled in when ready
     process: subprocess.Popen[bytes] | None = None
 
@@ -83,6 +84,15 @@ class Server:
         self.stop()
         raise ServerError(f"{self.name} server not ready on {self.url}{self.ready_path} after {timeout_s:.0f} s:\n"
                           f"{self.tail()}")
+
+    def count_tokens(self, text: str) -> int | None:
+        """``text`` in the server's own tokenizer (None without a counting endpoint)."""
+        if self.count_path is None:
+            return None
+        data = json.dumps({"input": text, "model": self.model}).encode()
+        post = urllib.request.Request(self.url + self.count_path, data, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=30) as response:
+            return int(json.loads(response.read())["count"])
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -181,7 +191,7 @@ def llamacpp_server(gguf: Path, threads: int, n_ctx: int, log_dir: Path) -> Serv
     note = (f"llama_cpp.server {' '.join(flags)}; fixed output lengths: logit_bias {EOG_BIAS:g} on its {len(eog)} "
             f"end-of-generation token(s) {eog[:8]}")
     return Server("llama.cpp", command, port, "/v1/models", log_dir / "llama-server.log",
-                  {"logit_bias": {str(t): EOG_BIAS for t in eog}}, [note])
+                  {"logit_bias": {str(t): EOG_BIAS for t in eog}}, [note], count_path="/extras/tokenize/count")
 
 
 def llamacpp_version() -> str:

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -152,20 +153,21 @@ def test_load_generator_against_llama_cpp_server(llama_server) -> None:
 def test_streamed_tokens_equal_the_server_s_usage(llama_server) -> None:
     """What the stream delivered, counted chunk by chunk, is what the server says it generated for the same
     greedy request without streaming; a server made to stop at once delivers no token and that is an error."""
-    async def both(extra_body: dict) -> tuple[RequestResult, int]:
+    async def both(extra_body: dict) -> tuple[RequestResult, Any]:
         client = make_client(llama_server.url)
         try:
             streamed = await one_request(client, llama_server.model, PROMPTS[0], 9, extra_body)
             whole = await client.completions.create(model=llama_server.model, prompt=PROMPTS[0], max_tokens=9,
                                                     temperature=0.0, extra_body=extra_body)
-            return streamed, whole.usage.completion_tokens
+            return streamed, whole.usage
         finally:
             await client.close()
 
     streamed, usage = asyncio.run(both(llama_server.extra_body))
-    assert streamed.ok and streamed.tokens == usage == 9 and len(streamed.itl_s) == 8
+    assert streamed.ok and streamed.tokens == usage.completion_tokens == 9 and len(streamed.itl_s) == 8
+    assert llama_server.count_tokens(PROMPTS[0]) == usage.prompt_tokens  # what the bench reports of its prompts
     stopped, usage = asyncio.run(both({"logit_bias": {"0": 1e9}}))  # end of text forced first
-    assert usage == 0 and not stopped.ok and stopped.error == "the stream ended without a token"
+    assert usage.completion_tokens == 0 and not stopped.ok and stopped.error == "the stream ended without a token"
 
 
 HAS_OPUS_SERVER = all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "opus.cli.serve"))
@@ -193,6 +195,8 @@ def test_bench_serve_end_to_end_on_the_smoke_run(smoke_run, tmp_path, capsys) ->
         assert Path(server["log"]).is_file()
     assert report["servers"]["opus"]["exit_code"] == 0  # SIGTERM drains and exits 0
     assert any("the run's export" in note for note in report["servers"]["llama.cpp"]["notes"])
+    for name in ("opus", "llama.cpp"):  # how long the prompts were in each server's own tokenizer
+        assert any(note.startswith("prompts in its tokenizer: median") for note in report["servers"][name]["notes"])
     for ratio in report["ratios"]:
         assert ratio["orders"] == [["opus", "llama.cpp"], ["llama.cpp", "opus"]]  # the first server alternates
         assert ratio["paired_rounds"] == 2 and ratio["output_tok_s"] > 0 and ratio["ttft_ms_p99"] > 0
