@@ -29,11 +29,13 @@ def _ratio_at(report: dict[str, Any], concurrency: int) -> dict[str, Any]:
 
 
 def _ratio(ratio: dict[str, Any], key: str) -> str:
-    """``1.23×`` and, over several rounds, ``[1.10–1.31]``: the median of the per-round ratios and their range."""
+    """``1.23×`` and, over several rounds, ``[1.10–1.31]``: the median of the per-round ratios and their range;
+    ``noisy`` when that range is wider than 15 % of the median."""
     value, span = ratio.get(key), ratio.get(f"{key}_range")
     if value is None:
         return "—"
-    return f"{value:.2f}×" + (f" [{span[0]:.2f}–{span[1]:.2f}]" if span and ratio.get("paired_rounds", 0) > 1 else "")
+    text = f"{value:.2f}×" + (f" [{span[0]:.2f}–{span[1]:.2f}]" if span and ratio.get("paired_rounds", 0) > 1 else "")
+    return text + " noisy" if ratio.get(f"{key}_noisy") else text
 
 
 def rows(report: dict[str, Any]) -> list[list[str]]:
@@ -68,8 +70,9 @@ def table(report: dict[str, Any]) -> Table:
     """The console's table: short headers, what they mean in the caption."""
     t = Table(title=f"opus bench --serve: {report['run']} (input {report['input_len']}, output "
                     f"{report['output_len']} tokens, {report['threads']} threads)", title_justify="left",
-              caption="latencies in ms; × = opus / llama.cpp at the same number of clients (tok/s: higher is "
-                      "better for opus, p99 TTFT: lower)", caption_justify="left")
+              caption="latencies in ms; × = opus / llama.cpp at the same number of clients, the median of the "
+                      "rounds' ratios [min–max], noisy when wider than 15 % (tok/s: higher is better for opus, p99 "
+                      "TTFT: lower)", caption_justify="left")
     for index, header in enumerate(SHORT_HEADERS):
         t.add_column(header, justify="left" if index < 2 else "right", no_wrap=True)
     for index, cells in enumerate(rows(report)):

@@ -47,6 +47,7 @@ METHOD = ("each level R rounds; a round runs the level on each server, one right
           "llama.cpp, the median of the per-round ratios [min–max]")
 
 
+NOISY_SPREAD = 0.15  # a ratio's [min, max] over the rounds wider than this share of its median is marked noisy
 PROMPTS_COUNTED = 8  # prompts whose length is asked of a server that reports no usage
 
 
@@ -280,13 +281,16 @@ def level_line(name: str, level: LevelResult) -> str:
 
 def paired_ratios(opus: dict[int, LevelRun], llama: dict[int, LevelRun]) -> dict[str, Any]:
     """opus / llama.cpp from the rounds both ran (each round's two passes one right after the other): the
-    median of the per-round ratios and their [min, max]; None where no round pairs up or a figure is
-    missing (no token, no TTFT)."""
+    median of the per-round ratios, their [min, max] and whether that is noisy; None where no round pairs
+    up or a figure is missing (no token, no TTFT)."""
     out: dict[str, Any] = {"paired_rounds": 0}
     for key in ("output_tok_s", "ttft_ms_p99"):
         values = [getattr(opus[i], key) / getattr(llama[i], key) for i in sorted(opus.keys() & llama.keys())
                   if getattr(opus[i], key) is not None and getattr(llama[i], key)]
-        out[key] = percentile(values, 50)
+        out[key] = median = percentile(values, 50)
         out[f"{key}_range"] = [min(values), max(values)] if values else None
+        # As opus bench marks its ratios: rounds that disagree by more than 15 % of the median say the machine
+        # moved under the measurement; the figure stands, marked.
+        out[f"{key}_noisy"] = bool(median and (max(values) - min(values)) / median > NOISY_SPREAD)
         out["paired_rounds"] = max(out["paired_rounds"], len(values))
     return out

@@ -62,6 +62,25 @@ def test_summary_counts_tokens_errors_and_rates() -> None:
     assert first.ttft_ms_p99 == pytest.approx(29.8) and second.output_tok_s == pytest.approx(30)
 
 
+def test_ratios_pair_the_rounds_both_servers_ran() -> None:
+    from opus.bench.serve_run import paired_ratios
+
+    def run(tokens: int, ttft_s: float) -> LevelRun:  # one request per pass, one second of wall time
+        return LevelRun([RequestResult(True, ttft_s=ttft_s, tokens=tokens)], wall_s=1.0)
+
+    opus = {0: run(100, 0.010), 1: run(120, 0.010), 2: run(90, 0.020)}
+    llama = {0: run(50, 0.020), 1: run(60, 0.020), 3: run(10, 0.001)}  # round 2 missing, round 3 unpaired
+    ratios = paired_ratios(opus, llama)
+    assert ratios["paired_rounds"] == 2
+    assert ratios["output_tok_s"] == pytest.approx(2.0) and ratios["output_tok_s_range"] == [2.0, 2.0]
+    assert not ratios["output_tok_s_noisy"] and ratios["ttft_ms_p99"] == pytest.approx(0.5)
+    wide = paired_ratios({0: run(100, 0.01), 1: run(100, 0.01)}, {0: run(100, 0.01), 1: run(80, 0.01)})
+    assert wide["output_tok_s"] == pytest.approx(1.125) and wide["output_tok_s_noisy"]  # [1.0, 1.25]
+    assert paired_ratios({}, llama) == {"paired_rounds": 0, "output_tok_s": None, "output_tok_s_range": None,
+                                        "output_tok_s_noisy": False, "ttft_ms_p99": None, "ttft_ms_p99_range": None,
+                                        "ttft_ms_p99_noisy": False}
+
+
 def test_a_sweep_gives_every_request_and_warm_up_its_own_prompt() -> None:
     levels, total = plan_levels([1, 2, 4], lambda c: 2 * c)
     assert [(lv.concurrency, lv.requests, lv.first_prompt) for lv in levels] == [(1, 2, 0), (2, 4, 3), (4, 8, 9)]
