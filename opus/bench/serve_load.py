@@ -4,8 +4,13 @@ At each concurrency level C, C clients each send streaming ``/v1/completions`` r
 (the openai package's ``AsyncOpenAI``, a real HTTP client) until the level's request count is sent.
 Per request: the time to its first token chunk, the gaps between its token chunks, the completion
 tokens it got (the stream's ``usage`` when the server sends one, else its token chunks counted).
-Per level: TTFT and inter-token latency percentiles, output tokens/s and requests/s over the level's
-wall time, and the errors (count and the first one's text).
+Per pass of a level (``LevelRun``): output tokens/s and requests/s over its wall time. Per level over
+its passes (``summarize``; ``opus bench --serve`` runs each level in rounds): TTFT and inter-token
+latency percentiles over every request, the median tok/s and req/s, and the errors (count and the
+first one's text).
+
+The client runs in this process and takes CPU of its own (parsing every streamed chunk), the same
+for every server: on a machine with few cores, leave it one.
 
 Output lengths are fixed: ``max_tokens`` is sent and each server is asked, its own way, not to stop
 at end of sequence (``extra_body``); what arrived is counted, and a request that got fewer tokens
