@@ -112,6 +112,7 @@ class Engine:
             self._wake.notify()
 
     def start(self, threads: int | None = None) -> None:
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, args=(threads,), name="opus-engine", daemon=True)
         self._thread.start()
 
