@@ -257,9 +257,10 @@ def interleave(servers: list[Server], prompts: list[str], output_len: int, level
                     server.extra_body, on_done, first_prompt=level.first(index)))
         for server in servers:
             measured = list(runs[server.name].values())
-            results[server.name].append(summarize(measured, level.concurrency, output_len) if measured else None)
-            if measured:
-                display.line(level_line(server.name, summarize(measured, level.concurrency, output_len)))
+            summary = summarize(measured, level.concurrency, output_len) if measured else None
+            results[server.name].append(summary)
+            if summary is not None:
+                display.line(level_line(server.name, summary))
         paired.append({"concurrency": level.concurrency, "orders": orders,
                        "rounds": {name: {str(i): {"output_tok_s": run.output_tok_s, "ttft_ms_p99": run.ttft_ms_p99}
                                          for i, run in by_round.items()} for name, by_round in runs.items()},
