@@ -104,11 +104,9 @@ class LoadedModel:
         return ids
 
     def eos_ids(self) -> set[int]:
-        found: set[int] = set()
-        for value in (getattr(self.tokenizer, "eos_token_id", None),
-                      getattr(getattr(self.model, "config", None), "eos_token_id", None)):
-            found.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
-        return found
+        from opus.export.loading import eos_ids
+
+        return set(eos_ids(self.tokenizer, self.model))
 
     def generate_ids(self, prompts: list[list[int]], max_new_tokens: int = 64, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> list[list[int]]:
@@ -139,24 +137,7 @@ def load(path: str | Path, device: str | None = None) -> LoadedModel:
 
     Not a directory of either kind, or a run with nothing kept yet: ``InputError``.
     """
-    from opus.export.native import EXPORT_FILE, load_exported
-    from opus.pipeline.run_files import RUN_FILE, export_dirs, final_checkpoint, load_run
-    from opus.pipeline.state import materialize
+    from opus.export.loading import load_made
 
-    path = Path(path)
-    if not (path / RUN_FILE).is_file():
-        if not (path / EXPORT_FILE).is_file():
-            raise InputError(f"neither an export directory ({EXPORT_FILE}) nor a run directory ({RUN_FILE})",
-                             file=str(path))
-        loaded = load_exported(path, device)
-        return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, path)
-    exports = export_dirs(path)
-    if exports:
-        loaded = load_exported(exports[-1], device)
-        return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, exports[-1])
-    checkpoint, _ = final_checkpoint(path)
-    if checkpoint is None:
-        raise InputError("the run has no kept stage yet: nothing to load", file=str(path))
-    run_pipeline = load_run(path)
-    loaded = materialize(checkpoint, run_pipeline.spec, run_pipeline.base_dir, device)
-    return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, checkpoint)
+    loaded, origin = load_made(Path(path), device)
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, origin)

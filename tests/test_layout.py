@@ -12,7 +12,7 @@ from opus.pipeline.code_reach import imports_of
 # opus.api (opus.run, opus.load) is the top: it drives the command line's own run.
 ROOMS = ["opus.errors", "opus.atomic", "opus.moved", "opus.recipe", "opus.models", "opus.kv", "opus.runtime",
          "opus.quant", "opus.gpu", "opus.fusion", "opus.pipeline", "opus.export", "opus.report", "opus.bench",
-         "opus.cli", "opus.api"]
+         "opus.serve", "opus.cli", "opus.api"]
 SAME_LEVEL = {"opus.report": 0, "opus.bench": 0}  # neither imports the other
 
 

@@ -14,15 +14,15 @@ length 0.
 
 How: ``KVDecoder`` calls the model's own forward — embedding, every decoder layer as it is (quantized,
 fused), norm, lm_head — with ``PastKV``, a functional cache that concatenates the past with the new
-keys and keeps the presents. Two things the decoder cannot take from a cache are added while the export
-traces (``export_view``), and the model is put back as it was: per-row positions (its RoPE module
-wrapped to give cos/sin ``[batch, 1, seq, head_dim]`` from ``position_ids``) and per-row padding (each
-attention module run as a copy of its fx graph whose ``attend`` reads a ``[batch, 1, seq, past+seq]``
-mask: slot-causal and ``attention_mask``, a token always seeing itself so a padded row never softmaxes
-over nothing). A sliding-window layer, which Opus's torch decoder runs only within its window, gets
-the window in its mask, as transformers applies it (tests check against its Gemma 3). Int4 weights
-(``w4a16``) run as onnxruntime's MatMulNBits, and a bfloat16 graph is rewritten to compute in float32
-— onnxruntime's CPU kernels have no bf16 — its weights kept bf16 on disk (``opus.export.onnx_ops``).
+keys and keeps the presents. Per-row positions (``position_ids``) the decoder takes from the cache
+itself. Per-row padding is added while the export traces (``export_view``), and the model is put back
+as it was: each attention module runs as a copy of its fx graph whose ``attend`` reads a
+``[batch, 1, seq, past+seq]`` mask (slot-causal and ``attention_mask``, a token always seeing itself
+so a padded row never softmaxes over nothing). A sliding-window layer, which Opus's torch decoder runs
+only within its window, gets the window in its mask, as transformers applies it (tests check against its
+Gemma 3). Int4 weights (``w4a16``) run as onnxruntime's MatMulNBits, and a bfloat16 graph is rewritten
+to compute in float32 — onnxruntime's CPU kernels have no bf16 — its weights kept bf16 on disk
+(``opus.export.onnx_ops``).
 Parity, P and D: ``opus.export.onnx_check``.
 """
 
@@ -59,7 +59,7 @@ TOTAL = "past_sequence_length + sequence_length"  # the name the exporter gives 
 class PastKV(CacheBase):
     """The cache protocol over graph inputs: ``update`` returns past ++ new and records it as the present.
 
-    ``positions`` ([B, T], per row) reaches the model's RoPE, which ``export_view`` makes per row;
+    ``positions`` ([B, T], per row) reaches the model's RoPE (the decoder takes per-row positions);
     ``attn_mask`` ([B, 1, T, S]: slot-causal and ``attention_mask``, a token always seeing itself so a
     padded row never softmaxes over nothing) reaches the padded attention copies.
     """
@@ -86,21 +86,6 @@ class PastKV(CacheBase):
 
     def reset(self) -> None:
         self.presents = list(self.past)
-
-
-class RowRotary(nn.Module):
-    """The model's RoPE at per-row positions ``[B, T]``: cos, sin ``[B, 1, T, head_dim]`` (broadcast over heads)."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
-                theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        kw = {} if theta is None else {"theta": theta}  # another base (a local layer's)
-        cos, sin = self.inner(positions.reshape(-1), dtype, **kw)
-        shape = (positions.shape[0], 1, positions.shape[1], cos.shape[-1])
-        return cos.reshape(shape), sin.reshape(shape)
 
 
 def _padding_mask(cache: object | None, window: int | None = None) -> torch.Tensor | None:
@@ -160,8 +145,8 @@ def _padded_copy(module: nn.Module) -> fx.GraphModule | None:
 
 @contextlib.contextmanager
 def export_view(model: nn.Module) -> Iterator[int]:
-    """While the export traces: every attention module swapped for its padded copy and the RoPE for a
-    per-row one; the originals put back on exit. Yields the number of attention modules swapped."""
+    """While the export traces: every attention module swapped for its padded copy (the decoder itself
+    takes per-row positions); the originals put back on exit. Yields the number of attention modules swapped."""
     swapped: list[tuple[nn.Module, str, nn.Module]] = []
 
     def swap(name: str, new: nn.Module) -> None:
@@ -175,9 +160,7 @@ def export_view(model: nn.Module) -> Iterator[int]:
             new = _padded_copy(module) if name else None
             if new is not None:
                 swap(name, new)
-        attention = len(swapped)
-        swap("model.rotary_emb", RowRotary(model.model.rotary_emb))
-        yield attention
+        yield len(swapped)
     finally:
         for owner, child, module in reversed(swapped):
             setattr(owner, child, module)

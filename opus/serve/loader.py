@@ -60,10 +60,11 @@ def run_sizing(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_served(path: Path, settings: ServeSettings, name: str | None = None) -> Served:
-    from opus.api import load
+    from opus.export.loading import eos_ids, load_made
+    from opus.kv.cache import cache_config_from_recipe
     from opus.models.decoder import DecoderLM
 
-    loaded = load(path)
+    loaded, origin = load_made(path)
     model = loaded.model
     if not isinstance(model, DecoderLM):
         raise InputError(f"{type(model).__name__} is not an Opus decoder; opus serve runs Opus's decoders only",
@@ -91,15 +92,15 @@ def load_served(path: Path, settings: ServeSettings, name: str | None = None) ->
         budget_mb, source = most, f"{source}, capped at max batch × context"
     num_blocks = int(budget_mb * MB) // (per_token * settings.block_size) + 1  # + the scratch block
     shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, settings.block_size, dtype, device)
-    kv_cache = loaded.kv_cache
+    kv_cache = cache_config_from_recipe(loaded.state.get("recipe"))
     compile_decode = settings.compile
     if compile_decode is None:
         compile_decode = bool(kv_cache and kv_cache.get("kind") in COMPILED_KINDS and kv_cache.get("compile", True))
     engine = Engine(model, KVBlockPool(shape), BlockManager(num_blocks, settings.block_size, settings.prefix_caching),
                     max_batch=settings.max_batch, max_waiting=settings.max_waiting, max_context=min(limits),
                     prefill_chunk=settings.prefill_chunk, compile_decode=compile_decode)
-    return Served(engine, loaded.tokenizer, name or _name_of(loaded.path, path), loaded.path, kv_cache, budget_mb,
-                  source, frozenset(loaded.eos_ids()))
+    return Served(engine, loaded.tokenizer, name or _name_of(origin, path), origin, kv_cache, budget_mb,
+                  source, eos_ids(loaded.tokenizer, model))
 
 
 def _name_of(model_dir: Path, given: Path) -> str:
