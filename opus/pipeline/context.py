@@ -17,6 +17,7 @@ from typing import Any
 
 from opus.pipeline.contracts import ARTIFACTS_SUBDIR, UpstreamView
 from opus.pipeline.spec import PipelineSpec
+from opus.pipeline.units import UnitStore, unit_scope, units_root
 
 
 @dataclass
@@ -51,6 +52,8 @@ class StageContext:
     attempt: int = 0
     remedy: dict[str, Any] | None = None
     report: Callable[[dict[str, Any]], None] = field(default=lambda msg: None, repr=False)
+    key: str = ""  # the stage key (opus.pipeline.keys): finished units are kept under it
+    config: dict[str, Any] = field(default_factory=dict)  # this attempt's configuration, as JSON
     _loaded: Any = field(default=None, repr=False)
     _started: float = field(default_factory=time.monotonic, repr=False)
 
@@ -92,6 +95,12 @@ class StageContext:
         """Let go of the materialized model (its memory is freed once no one else holds it); a later
         ``load_model`` materializes it again."""
         self._loaded = None
+
+    def units(self, name: str) -> UnitStore:
+        """Where this stage keeps finished units of ``name`` (opus.pipeline.units): reused by the next
+        attempt of the same key and configuration, dropped once the stage's checkpoint is committed."""
+        scope = unit_scope(self.key, self.config)
+        return UnitStore(units_root(self.run_dir / "stages", self.stage_id) / scope / name)
 
     def write_artifact(self, name: str, obj: Any) -> Path:
         from opus.atomic import write_bytes, write_text

@@ -55,6 +55,7 @@ from opus.pipeline.spec import LoadedPipeline
 from opus.pipeline.state import read_state
 from opus.pipeline.summary import build_summary
 from opus.pipeline.supervise import WorkerOutcome, run_worker
+from opus.pipeline.units import clear_units
 from opus.pipeline.verdict import KEPT, TRANSIENT_FAILURES, run_status
 
 DISK_FULL = "the disk is full; committed checkpoints are intact: free disk space, then `opus resume`"
@@ -268,6 +269,7 @@ class Runner:
                 gate = check_gate(stage.gate, metrics, None if result.baseline else self._baseline())
                 if gate.passed:
                     commit(out_dir, final)
+                    clear_units(self.stages_dir, stage_id)  # the checkpoint holds what they were for
                     self._record(stage_id, key, "done", final, result, gate, attempt, seconds)
                     return
                 failed_check = gate.first_failure()

@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
         ctx = StageContext(
             run_dir=job.run_dir, stage_id=job.stage_id, uses=job.uses, spec=loaded.spec, base_dir=job.base_dir,
             upstream={u.id: u for u in job.upstream}, incoming=job.incoming, out_dir=out_dir,
-            attempt=job.attempt, remedy=job.remedy, report=report)
+            attempt=job.attempt, remedy=job.remedy, report=report, key=job.key, config=job.config)
         result = stage_type.module.run(ctx, cfg)
         if not isinstance(result, StageResult):
             raise TypeError(f"stage type '{job.uses}' returned {type(result).__name__}, not StageResult")
