@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -14,6 +14,7 @@ from opus.pipeline.replay import source_artifact
 from opus.quant.calibrate import CALIBRATION_FILE, collect_stats
 from opus.quant.formats import FORMATS, check_format, known
 from opus.quant.plan import PLAN_FILE, PlanRequest, assignment_from_plan, make_plan
+from opus.quant.sensitivity import Scoring
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.runtime.data import load_blocks
 
@@ -45,6 +46,16 @@ class Budget(BaseModel):
         return "ppl", float(self.max_ppl_increase or 0.02)
 
 
+class Sensitivity(BaseModel):
+    """How each (group, format) trial is scored (opus.quant.sensitivity)."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: Literal["suffix", "full"] = Field("suffix", description="suffix: run only the layers from the group's "
+                                              "first one, from cached hidden states; full: the whole model")
+    top_k: int | None = Field(64, ge=1, description="suffix: score the reference's top-k tokens, the target and "
+                              "the tail (null: the full vocabulary, as the full measure does)")
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
     formats: list[str] = Field(default_factory=lambda: ["w8a8", "w8a16", "w4a16"],
@@ -61,6 +72,7 @@ class Config(BaseModel):
                            "accurate (holds another float copy of the model and one quantized copy per "
                            "contender while timing)")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
+    sensitivity: Sensitivity = Field(default_factory=Sensitivity)
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
                         "(kernel timing, end-to-end check); their spread sets the noise margin (opus.runtime.choose)")
 
@@ -109,8 +121,12 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     else:
         kind, value = cfg.budget.kind_value()
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
-                              cfg.group_size, cfg.end_to_end_check, cfg.rounds)
+                              cfg.group_size, cfg.end_to_end_check, cfg.rounds,
+                              Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"))
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
+        sweep = doc["sensitivity"]
+        ctx.log(f"sensitivity: {sweep['units']} units, {sweep['measured']} measured, {sweep['reused']} reused "
+                "from an earlier attempt")
     write_decisions(ctx, decisions)
     ctx.write_artifact(PLAN_FILE, yaml.safe_dump(doc, sort_keys=False, width=120))
     counts: dict[str, int] = {}
@@ -122,7 +138,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         metrics["predicted_ppl_increase"] = predicted["ppl_increase"]
     if predicted.get("linear_speedup") is not None:
         metrics["predicted_linear_speedup"] = predicted["linear_speedup"]
-    return StageResult(metrics=metrics, info={"notes": doc.get("notes", [])})
+    info = {"notes": doc.get("notes", []), **({"sensitivity": doc["sensitivity"]} if "sensitivity" in doc else {})}
+    return StageResult(metrics=metrics, info=info)
 
 
 def _user_plan(path: Path, model, note: str | None = None) -> dict:  # noqa: ANN001

@@ -30,6 +30,7 @@ class Candidate:
     dce: float | None = None
     kl: float | None = None
     measured_ms: float | None = None  # the median measured, where it differs from time_ms
+    how: str | None = None  # how dce and kl were obtained (opus.quant.sensitivity.Scoring.describe)
 
     @property
     def measured(self) -> float:
@@ -112,6 +113,14 @@ def explain(group: GroupChoice, chosen: Candidate, kind: str) -> str:
     return f"{why}: {speed}" + (f", Δce {chosen.dce:.5f}" if chosen.dce is not None else "") + tail
 
 
+def _scored_by(candidates: list[Candidate]) -> dict[str, Any]:
+    """How the group's scores were obtained: one line when all agree (they usually do), else per format."""
+    how = {c.fmt: c.how for c in candidates if c.how}
+    if not how:
+        return {}
+    return {"scored_by": next(iter(how.values())) if len(set(how.values())) == 1 else how}
+
+
 def plan_document(groups: list[GroupChoice], chosen: dict[str, Candidate], budget: dict[str, Any],
                   limit: float) -> dict[str, Any]:
     float_total = sum(g.float_ms for g in groups)
@@ -124,6 +133,7 @@ def plan_document(groups: list[GroupChoice], chosen: dict[str, Candidate], budge
             "name": g.name, "role": g.role, "format": c.fmt, "modules": g.modules,
             "score": {x.fmt: round(x.dce, 6) for x in g.candidates if x.dce is not None},
             "kl": {x.fmt: round(x.kl, 6) for x in g.candidates if x.kl is not None},
+            **_scored_by(g.candidates),
             "time_ms": {x.fmt: round(x.measured, 4) for x in g.candidates},
             **({"margin": round(g.margin, 4)} if g.margin is not None else {}),
             "reason": explain(g, c, budget["kind"]), **({"notes": g.notes} if g.notes else {}),

@@ -14,7 +14,7 @@ from opus.quant.calibrate import ActivationStats
 from opus.quant.formats import FORMATS, check_format, is_noop, known, ladder, noop_name
 from opus.quant.groups import QGroup, build_groups, matches
 from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
-from opus.quant.sensitivity import measure_sensitivity
+from opus.quant.sensitivity import Scoring, Tally, UnitCache, measure_sensitivity
 from opus.quant.smooth import apply_smoothing, smooth_groups
 from opus.quant.speed import KernelTimer, group_rounds_ms
 from opus.quant.validate import PLAN, check_end_to_end
@@ -37,6 +37,8 @@ class PlanRequest:
     group_size: int = 128
     validate: bool = False  # time the plan and the uniform alternatives end to end (opus.quant.validate)
     rounds: int = DEFAULT_ROUNDS  # interleaved timing rounds per decision (opus.runtime.choose)
+    scoring: Scoring = field(default_factory=Scoring)  # how each (group, format) is scored
+    units: UnitCache | None = None  # finished sensitivity units, reused across attempts
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -82,12 +84,13 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     plain = [f for f in formats if not FORMATS[f].acts_quantized]
     act = [f for f in formats if FORMATS[f].acts_quantized]
     total = len(free) * len(formats)
-    scores = measure_sensitivity(model, free, plain, blocks, group_size=request.group_size, progress=progress,
-                                 total=total)
+    tally = Tally(request.units)
+    sweep = dict(group_size=request.group_size, scoring=request.scoring, units=tally, progress=progress,
+                 total=total)
+    scores = measure_sensitivity(model, free, plain, blocks, **sweep)
     if act:  # activation formats are scored as they will run: after SmoothQuant (exact in float)
         apply_smoothing(model, stats, smooth_groups(model))
-        more = measure_sensitivity(model, free, act, blocks, group_size=request.group_size, progress=progress,
-                                   done=len(free) * len(plain), total=total)
+        more = measure_sensitivity(model, free, act, blocks, done=len(free) * len(plain), **sweep)
         for name, by_fmt in more.items():
             scores.setdefault(name, {}).update(by_fmt)
     cfg = getattr(model, "config", None)
@@ -130,6 +133,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
                                        f"kernel view: {entry['reason']}")
     doc["notes"] = notes
     doc["group_size"] = request.group_size
+    doc["sensitivity"] = {"method": request.scoring.method, "top_k": request.scoring.top_k, "units": total,
+                          "measured": tally.measured, "reused": tally.reused}
     return doc, decisions
 
 
@@ -160,7 +165,8 @@ def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, sa
     decision = decide_from(f"kernel formats: {group.name}", options, samples, unit="ms")
     counted = credible(decision)
     candidates = [Candidate(fmt, counted[fmt], _cost(budget_kind, fmt, params, dce[fmt]), dce[fmt],
-                            scores.get(fmt, {}).get("kl"), measured_ms=decision.medians[fmt]) for fmt in samples]
+                            scores.get(fmt, {}).get("kl"), measured_ms=decision.medians[fmt],
+                            how=scores.get(fmt, {}).get("how")) for fmt in samples]
     choice = GroupChoice(group.name, group.role, group.modules, decision.medians[noop_name()], candidates, force,
                          params, margin=decision.margin)
     return choice, decision

@@ -3,11 +3,19 @@
 Fake quantization is used here and only here: it scores candidates; the measured model always runs
 the real kernels. Scores: the increase of next-token cross-entropy on calibration text (Δce, whose
 exponential is the predicted perplexity ratio) and the KL divergence of the final logits.
+
+Each (group, format) pair is one unit of work. ``Scoring`` says how a unit is measured: ``suffix``
+(the default on Opus decoders) runs only the layers from the group's first one, from cached hidden
+states, and scores the reference's top-k vocabulary plus the target and a tail bucket
+(opus.quant.suffix); ``full`` runs the whole model over the whole vocabulary. Every score says how it
+was obtained (``how``). A ``UnitCache`` keeps finished units, so a sweep stopped half-way resumes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,22 +23,66 @@ from torch import nn
 
 from opus.quant.formats import FORMATS
 from opus.quant.groups import QGroup
+from opus.quant.suffix import (
+    HEAD,
+    Reference,
+    TrialLogits,
+    Trunk,
+    head_logits,
+    reference,
+    scores,
+    start_layer,
+    supports,
+)
 
 Progress = Callable[[float, float, str], None]
+Score = dict[str, Any]  # {"dce": float, "kl": float, "how": str}
+METHODS = ("suffix", "full")
 
 
-def _logprobs(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
-    outs = [F.log_softmax(model(blocks[i:i + batch_size]).float(), dim=-1)
-            for i in range(0, blocks.shape[0], batch_size)]
-    return torch.cat(outs)
+@dataclass(frozen=True)
+class Scoring:
+    method: str = "suffix"  # "suffix" or "full" (see the module docstring)
+    top_k: int | None = 64  # suffix only; None: the full vocabulary
+
+    def describe(self, start: int | None, num_layers: int | None = None) -> str:
+        if start is None:
+            return "full forward, full vocabulary"
+        vocab = "full vocabulary" if self.top_k is None else f"top-{self.top_k} + target + tail"
+        where = "lm_head only" if start == num_layers else f"suffix from layer {start}"
+        return f"{where}, {vocab}"
 
 
-def _scores(logp: torch.Tensor, ref: torch.Tensor, blocks: torch.Tensor) -> tuple[float, float]:
-    targets = blocks[:, 1:]
-    ce = -logp[:, :-1].gather(-1, targets.unsqueeze(-1)).mean()
-    ce_ref = -ref[:, :-1].gather(-1, targets.unsqueeze(-1)).mean()
-    kl = (ref.exp() * (ref - logp)).sum(-1).mean()
-    return float(ce - ce_ref), float(kl)
+class UnitCache(Protocol):
+    """Where finished units are kept between attempts (opus.pipeline.units.UnitStore is one)."""
+
+    def get(self, unit: str) -> Score | None: ...
+
+    def put(self, unit: str, value: Score) -> None: ...
+
+
+Unit = tuple[QGroup, str]
+
+
+class Tally:
+    """A UnitCache (or none) that counts what a sweep reused and what it measured."""
+
+    def __init__(self, inner: UnitCache | None = None) -> None:
+        self.inner, self.reused, self.measured = inner, 0, 0
+
+    def get(self, unit: str) -> Score | None:
+        value = self.inner.get(unit) if self.inner is not None else None
+        self.reused += value is not None
+        return value
+
+    def put(self, unit: str, value: Score) -> None:
+        self.measured += 1
+        if self.inner is not None:
+            self.inner.put(unit, value)
+
+
+def unit_name(group: QGroup, fmt: str) -> str:
+    return f"{group.name}@{fmt}"
 
 
 class _Trial:
@@ -60,22 +112,87 @@ class _Trial:
             hook.remove()
 
 
+def _mean(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], blocks: torch.Tensor) -> tuple[float, float]:
+    """Δce per predicted token and KL per position, from per-batch sums."""
+    dce = kl = 0.0
+    for d, k in batches:
+        dce, kl = dce + float(d), kl + float(k)
+    n, t = blocks.shape
+    return dce / (n * (t - 1)), kl / (n * t)
+
+
+def _full_trials(model: nn.Module, todo: list[Unit], blocks: torch.Tensor, batch_size: int,
+                 group_size: int, scoring: Scoring) -> Iterator[tuple[Unit, Score]]:
+    batches = blocks.split(batch_size)
+    refs = [Reference(b[:, 1:], F.log_softmax(model(b).float(), dim=-1)) for b in batches]
+    for group, fmt in todo:
+        with _Trial(model, group, fmt, group_size):
+            dce, kl = _mean((scores(TrialLogits(model(b).float()), ref) for b, ref in zip(batches, refs)), blocks)
+        yield (group, fmt), {"dce": dce, "kl": kl, "how": scoring.describe(None)}
+
+
+def _suffix_trials(model: nn.Module, todo: list[Unit], blocks: torch.Tensor, batch_size: int,
+                   group_size: int, scoring: Scoring) -> Iterator[tuple[Unit, Score]]:
+    trunk = Trunk(model, blocks.shape[1], blocks.device)
+    n = trunk.num_layers
+    batches = blocks.split(batch_size)
+    hidden = [trunk.embed(b) for b in batches]
+    refs = [reference(model.lm_head, trunk.head_input(trunk.run(h, 0)), b, scoring.top_k)
+            for h, b in zip(hidden, batches)]
+    at = 0  # the layer whose input ``hidden`` holds: advanced once, as the sorted units need it
+    for group, fmt in sorted(todo, key=lambda unit: start_layer(unit[0], n)):
+        start = start_layer(group, n)
+        hidden = [trunk.run(h, at, start) for h in hidden]
+        at = start
+        on_head = HEAD in group.modules
+        with _Trial(model, group, fmt, group_size):
+            dce, kl = _mean((scores(head_logits(model, trunk.head_input(trunk.run(h, start)), ref, on_head), ref)
+                             for h, ref in zip(hidden, refs)), blocks)
+        yield (group, fmt), {"dce": dce, "kl": kl, "how": scoring.describe(start, n)}
+
+
 @torch.inference_mode()
 def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[str], blocks: torch.Tensor,
-                        *, group_size: int = 128, batch_size: int = 4, progress: Progress | None = None,
-                        done: int = 0, total: int | None = None) -> dict[str, dict[str, dict[str, float]]]:
-    """``{group: {format: {"dce": float, "kl": float}}}`` for every group and candidate format."""
+                        *, group_size: int = 128, batch_size: int = 4, scoring: Scoring | None = None,
+                        units: UnitCache | None = None, progress: Progress | None = None,
+                        done: int = 0, total: int | None = None) -> dict[str, dict[str, Score]]:
+    """``{group: {format: {"dce", "kl", "how"}}}`` for every group and candidate format it can take.
+
+    Units found in ``units`` are reused, not measured again; each measured one is put there as soon
+    as it is finished."""
+    scoring = scoring or Scoring()
+    if scoring.method not in METHODS:
+        raise ValueError(f"unknown sensitivity method '{scoring.method}' (known: {', '.join(METHODS)})")
     blocks = blocks.to(next(model.parameters()).device)
-    ref = _logprobs(model, blocks, batch_size)
     total = total or len(groups) * len(formats)
-    scores: dict[str, dict[str, dict[str, float]]] = {}
+    found: dict[str, Score] = {}
+    todo: list[Unit] = []
+    reused = 0
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1  # counted when skipped too: the total counts every (group, format) pair
+        if progress:
+            progress(done, total, f"sensitivity {what}" + (f" ({reused} reused)" if reused else ""))
+
     for group in groups:
         for fmt in formats:
-            done += 1  # counted when skipped too: the total counts every (group, format) pair
-            if not any(FORMATS[fmt].unsupported(model.get_submodule(n), group_size) for n in group.modules):
-                with _Trial(model, group, fmt, group_size):
-                    dce, kl = _scores(_logprobs(model, blocks, batch_size), ref, blocks)
-                scores.setdefault(group.name, {})[fmt] = {"dce": dce, "kl": kl}
-            if progress:
-                progress(done, total, f"sensitivity {group.name} {fmt}")
-    return scores
+            if any(FORMATS[fmt].unsupported(model.get_submodule(n), group_size) for n in group.modules):
+                tick(f"{group.name} {fmt} (format cannot take it)")
+                continue
+            kept = units.get(unit_name(group, fmt)) if units is not None else None
+            if kept is None:
+                todo.append((group, fmt))
+                continue
+            found[unit_name(group, fmt)] = kept
+            reused += 1
+            tick(f"{group.name} {fmt}")
+    if todo:
+        trials = _suffix_trials if scoring.method == "suffix" and supports(model) else _full_trials
+        for (group, fmt), score in trials(model, todo, blocks, batch_size, group_size, scoring):
+            found[unit_name(group, fmt)] = score
+            if units is not None:
+                units.put(unit_name(group, fmt), score)
+            tick(f"{group.name} {fmt}")
+    return {g.name: {f: found[unit_name(g, f)] for f in formats if unit_name(g, f) in found}
+            for g in groups if any(unit_name(g, f) in found for f in formats)}

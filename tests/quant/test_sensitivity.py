@@ -1,0 +1,74 @@
+"""The sensitivity sweep: the suffix measure against the full one, and a sweep resumed mid-way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from opus.pipeline.units import UnitStore
+from opus.quant.groups import build_groups
+from opus.quant.sensitivity import Scoring, Tally, measure_sensitivity
+from tests.quant.tiny import blocks, tiny_decoder
+
+FORMATS = ["w8a16", "w4a16"]
+
+
+def _model_and_groups(family: str) -> tuple[torch.nn.Module, list]:
+    model = tiny_decoder(family)
+    model.config.tie_word_embeddings = True  # the tied head is a group too: its trial runs the head whole
+    model.tie_weights()
+    return model, build_groups(model, [], ["*.mlp.gate"], tied=True)
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_suffix_scores_match_the_full_measure(family: str) -> None:
+    model, groups = _model_and_groups(family)
+    data = blocks(4, 32)
+
+    def sweep(scoring: Scoring) -> dict:
+        return measure_sensitivity(model, groups, FORMATS, data, group_size=32, scoring=scoring)
+
+    full, exact, top = sweep(Scoring("full")), sweep(Scoring("suffix", None)), sweep(Scoring("suffix", 16))
+    pairs = [(g, f) for g in full for f in full[g]]
+    assert len(pairs) == len(groups) * len(FORMATS)
+    # From cached hidden states over the full vocabulary: the same computation, the same numbers.
+    for key in ("dce", "kl"):
+        assert all(exact[g][f][key] == pytest.approx(full[g][f][key], abs=1e-7) for g, f in pairs)
+    # Top-16 of a 96-token vocabulary plus the tail term: within a few % of the largest score.
+    for key in ("dce", "kl"):
+        largest = max(abs(full[g][f][key]) for g, f in pairs)
+        assert max(abs(top[g][f][key] - full[g][f][key]) for g, f in pairs) < 0.05 * largest
+    assert full["lm_head"]["w4a16"]["how"] == "full forward, full vocabulary"
+    assert top["lm_head"]["w4a16"]["how"] == "lm_head only, top-16 + target + tail"
+    assert top["model.layers.1.self_attn.qkv"]["w8a16"]["how"] == "suffix from layer 1, top-16 + target + tail"
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_sweep_stopped_mid_way_measures_only_the_unfinished_units(tmp_path: Path) -> None:
+    model, groups = _model_and_groups("llama")
+    data = blocks(2, 16)
+    total = len(groups) * len(FORMATS)
+    whole = measure_sensitivity(model, groups, FORMATS, data, group_size=32)
+
+    def stop_after(n: int):  # noqa: ANN202 - the progress callback that plays the kill
+        def progress(done: float, _total: float, _what: str) -> None:
+            if done == n:
+                raise Stop
+        return progress
+
+    with pytest.raises(Stop):
+        measure_sensitivity(model, groups, FORMATS, data, group_size=32, units=UnitStore(tmp_path / "u"),
+                            progress=stop_after(7))
+    assert UnitStore(tmp_path / "u").finished() == 7  # each unit was written as it finished
+    tally = Tally(UnitStore(tmp_path / "u"))
+    seen: list[str] = []
+    resumed = measure_sensitivity(model, groups, FORMATS, data, group_size=32, units=tally,
+                                  progress=lambda _d, _t, what: seen.append(what))
+    assert (tally.reused, tally.measured) == (7, total - 7)
+    assert resumed == whole  # reused units are the numbers an uninterrupted sweep gets
+    assert seen[-1].endswith("(7 reused)") and len(seen) == total
