@@ -142,7 +142,7 @@ def test_errors_are_the_cli_ones_raised(api_run: ApiRun, tmp_path: Path) -> None
     with pytest.raises(InputError, match="unknown key"):
         opus.run(SMOKE, set={"workload.batch_sise": 2}, run_dir=tmp_path / "never")
     assert not (tmp_path / "never").exists()
-    with pytest.raises(InputError, match="neither an export directory"):
+    with pytest.raises(InputError, match="not an export directory"):
         opus.load(tmp_path)
 
 

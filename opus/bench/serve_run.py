@@ -68,8 +68,8 @@ class ServeRequest:
     ready_timeout_s: float = READY_TIMEOUT_S
 
 
-def _tokenizer(target: Target) -> Any:
-    spec, base_dir = target.loaded.spec, target.loaded.base_dir
+def pipeline_tokenizer(spec: Any, base_dir: Path, where: Path) -> Any:
+    """The tokenizer of the pipeline's model source (the tokenizer alone, where the source allows)."""
     source = spec.model.source()
     if "hf" in source:  # the tokenizer alone: no need to build the model for it
         from opus.models.hf import load_hf_tokenizer
@@ -81,8 +81,7 @@ def _tokenizer(target: Target) -> Any:
 
         tokenizer = load_model(source, base_dir)[1]
     if tokenizer is None:
-        raise InputError("the model has no tokenizer: the servers take text prompts", file=str(target.loaded.path),
-                         key="model")
+        raise InputError("the model has no tokenizer: the servers take text prompts", file=str(where), key="model")
     return tokenizer
 
 
@@ -91,7 +90,7 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def serve_prompts(target: Target, tokenizer: Any, count: int, input_len: int) -> tuple[list[str], str]:
+def serve_prompts(data: Any, base_dir: Path, tokenizer: Any, count: int, input_len: int) -> tuple[list[str], str]:
     """``count`` prompts of ``input_len`` tokens of the pipeline's evaluation text (else calibration
     text), decoded to text; else seeded random token ids.
 
@@ -102,10 +101,9 @@ def serve_prompts(target: Target, tokenizer: Any, count: int, input_len: int) ->
 
     from opus.runtime.data import random_blocks, token_stream
 
-    data = target.loaded.spec.data
     text_set = data.evaluation or data.calibration
     if text_set is not None:
-        stream, where = token_stream(text_set, tokenizer, target.loaded.base_dir)
+        stream, where = token_stream(text_set, tokenizer, base_dir)
         starts = stream.numel() - input_len + 1
         if starts > 0:
             chosen = random.Random(text_set.seed).sample(range(starts), min(count, starts))
@@ -171,10 +169,10 @@ def run_serve_bench(request: ServeRequest, out: Path | None, display: Any) -> di
     threads = _threads(request, target)
     levels, prompt_count = plan_levels(request.levels, lambda c: request.requests or requests_per_level(c),
                                        request.rounds)
-    tokenizer = _tokenizer(target)
+    tokenizer = pipeline_tokenizer(spec, target.loaded.base_dir, target.loaded.path)
     # Every request of the sweep its own prompt (the same one on both servers): none is a repeat a prefix
     # cache could answer from memory, where the text allows.
-    prompts, prompt_source = serve_prompts(target, tokenizer, prompt_count, input_len)
+    prompts, prompt_source = serve_prompts(spec.data, target.loaded.base_dir, tokenizer, prompt_count, input_len)
     log_dir = out or target.run_dir / "serve-bench"
     report: dict[str, Any] = {
         "run": str(target.run_dir), "out": str(log_dir), "run_stage": target.stage, "input_len": input_len,

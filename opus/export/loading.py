@@ -7,18 +7,23 @@ from typing import Any
 
 from opus.errors import InputError
 from opus.export.native import EXPORT_FILE, load_exported
+from opus.pipeline.checkpoint import MANIFEST
 from opus.pipeline.run_files import RUN_FILE, export_dirs, final_checkpoint, load_run
 from opus.pipeline.state import Materialized, materialize
 
 
 def load_made(path: Path, device: str | None = None) -> tuple[Materialized, Path]:
-    """The model of an export directory, or of a run directory (its last export stage's export, else its
-    final checkpoint), and the directory it came from. Neither kind, or a run with nothing kept yet:
-    ``InputError``."""
+    """The model of an export directory, of a run directory (its last export stage's export, else its
+    final checkpoint) or of one stage's checkpoint in a run (``RUN/stages/NN-id``), and the directory it
+    came from. None of these, or a run with nothing kept yet: ``InputError``."""
+    run_dir = path.parent.parent
+    if path.parent.name == "stages" and (path / MANIFEST).is_file() and (run_dir / RUN_FILE).is_file():
+        run_pipeline = load_run(run_dir)
+        return materialize(path, run_pipeline.spec, run_pipeline.base_dir, device), path
     if not (path / RUN_FILE).is_file():
         if not (path / EXPORT_FILE).is_file():
-            raise InputError(f"neither an export directory ({EXPORT_FILE}) nor a run directory ({RUN_FILE})",
-                             file=str(path))
+            raise InputError(f"not an export directory ({EXPORT_FILE}), a run directory ({RUN_FILE}) or a "
+                             f"stage's checkpoint in one", file=str(path))
         return load_exported(path, device), path
     exports = export_dirs(path)
     if exports:

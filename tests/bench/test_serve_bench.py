@@ -116,18 +116,19 @@ def test_serve_options_are_checked_before_anything_starts(tmp_path, capsys) -> N
 
 
 def test_prompts_are_windows_of_the_pipeline_s_text_at_distinct_offsets(tmp_path) -> None:
-    from opus.bench.serve_run import _tokenizer, serve_prompts
+    from opus.bench.serve_run import pipeline_tokenizer, serve_prompts
     from opus.bench.target import resolve_target
     from tests.bench.project import make_project
 
     target = resolve_target(make_project(tmp_path), tmp_path / "runs")
-    tokenizer = _tokenizer(target)
-    prompts, source = serve_prompts(target, tokenizer, 40, 16)
+    spec, base = target.loaded.spec, target.loaded.base_dir
+    tokenizer = pipeline_tokenizer(spec, base, target.loaded.path)
+    prompts, source = serve_prompts(spec.data, base, tokenizer, 40, 16)
     assert len(prompts) == 40 and len(set(prompts)) == 40 and "40 16-token windows at distinct offsets" in source
     assert all(abs(len(tokenizer(p)["input_ids"]) - 16) <= 2 for p in prompts)  # text again: about 16 tokens
-    again, _ = serve_prompts(target, tokenizer, 40, 16)
+    again, _ = serve_prompts(spec.data, base, tokenizer, 40, 16)
     assert again == prompts  # seeded: the same prompts for every server and every bench
-    few, source = serve_prompts(target, tokenizer, 10_000, 200)  # the text has fewer than 10 000 windows
+    few, source = serve_prompts(spec.data, base, tokenizer, 10_000, 200)  # the text has fewer than 10 000 windows
     assert len(few) < 10_000 and "in turn" in source
 
 
