@@ -161,6 +161,11 @@ def _precision(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
     predicted = found[1].get("predicted") if isinstance(found[1], dict) else None
     if isinstance(predicted, dict) and predicted:
         blocks.append(("p", "predicted: " + ", ".join(f"{k} {_f(v)}" for k, v in predicted.items())))
+    sweep = found[1].get("sensitivity") if isinstance(found[1], dict) else None
+    if isinstance(sweep, dict) and sweep:  # the planner's sweep: how it scored, how much a resume reused
+        blocks.append(("p", f"sensitivity: {sweep.get('method')} (top-k {sweep.get('top_k') or 'all'}), "
+                            f"{sweep.get('units')} units: {sweep.get('measured')} measured, "
+                            f"{sweep.get('reused')} reused from an earlier attempt"))
     blocks += [("img", "precision", "precision map with sensitivity scores"),
                ("table", ["layer", "format", "sensitivity", "score per format", "reason"],
                 [[x.get("name"), x.get("format"), _f(x.get("score")), x["scores"], x.get("reason", "")]

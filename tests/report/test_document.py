@@ -17,6 +17,7 @@ from tests.fabricate import fake_run
 from tests.helpers import MEASURE, pipeline, run_cli, summary, write_pipeline
 
 PLAN = {"version": 1, "predicted": {"ppl_increase": 0.004},
+        "sensitivity": {"method": "suffix", "top_k": 64, "units": 40, "measured": 25, "reused": 15},
         "groups": [{"name": "model.layers.0.mlp", "role": "mlp", "format": "w8a8", "score": {"w8a8": 0.002,
                     "w4a16": 0.03}, "reason": "fastest within the ppl budget"},
                    {"name": "model.layers.0.self_attn", "role": "attention", "format": "float",
@@ -62,6 +63,7 @@ def test_report_has_every_section_and_plot(tmp_path: Path, capsys: pytest.Captur
                          html)
     assert 'src="report/' not in html  # self-contained
     assert "too sensitive: Δce 0.09" in html
+    assert "sensitivity: suffix (top-k 64), 40 units: 25 measured, 15 reused from an earlier attempt" in html
 
 
 def test_missing_artifacts_are_notes_not_failures(tmp_path: Path) -> None:
