@@ -109,6 +109,8 @@ def reference(head: nn.Linear, x: torch.Tensor, ids: torch.Tensor, top_k: int | 
     weights = (logits - log_tail.unsqueeze(-1)).exp().scatter(-1, index, 0.0)
     tail_row = weights.to(head.weight.dtype) @ head.weight
     flat = weights.reshape(-1, weights.shape[-1])
+    # Where the top-k holds all the mass (the tail's weights underflow to 0) any draw will do: uniform.
+    flat = torch.where(flat.sum(-1, keepdim=True) > 0, flat, torch.ones_like(flat))
     generator = torch.Generator(device=flat.device).manual_seed(0)
     sample = torch.multinomial(flat, top_k, replacement=True, generator=generator).reshape(*weights.shape[:2], -1)
     return Reference(targets, z - lse.unsqueeze(-1), index, keep, target_col, log_tail, lse, x, tail_row, sample,

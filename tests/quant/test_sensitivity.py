@@ -72,3 +72,18 @@ def test_a_sweep_stopped_mid_way_measures_only_the_unfinished_units(tmp_path: Pa
     assert (tally.reused, tally.measured) == (7, total - 7)
     assert resumed == whole  # reused units are the numbers an uninterrupted sweep gets
     assert seen[-1].endswith("(7 reused)") and len(seen) == total
+
+
+def test_a_reference_whose_top_k_holds_all_the_mass_stays_finite() -> None:
+    from torch import nn
+
+    from opus.quant.suffix import reference
+
+    head = nn.Linear(4, 32, bias=False)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.weight[3, 0] = 1e4  # token 3 takes all the mass: the tail's weights underflow to zero
+    x = torch.ones(1, 5, 4)
+    ref = reference(head, x, torch.zeros(1, 5, dtype=torch.long), top_k=2)
+    assert ref.sample is not None and ref.tail_row is not None
+    assert torch.isfinite(ref.tail_row).all() and torch.isfinite(ref.logp[ref.keep]).all()
