@@ -32,6 +32,10 @@ class DecodeSteps:
         self.model, self.pool = model, pool
         self.buckets = buckets_up_to(max_batch)
         self.compiled = compile_decode
+        # Each bucket is a graph of its own: dynamo's default limit (8 graphs per step) must not send a
+        # bucket back to eager.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 2)
         eager = self._eager_step()
         self._step: Callable[..., torch.Tensor] = static.compile_step(eager, dynamic=None) if compile_decode else eager
         self._eager = eager
@@ -59,13 +63,21 @@ class DecodeSteps:
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
         # Keys up to the furthest position, in whole blocks: S changes once per block, not per token.
         keys = -(-(max(positions) + 1) // block_size) * block_size
-        read = (table[:, :, None] * block_size + torch.arange(block_size)).reshape(padded, -1)[:, :keys]
+        # Made fresh, not sliced from a wider tensor: a slice's row stride would be a guard of its own
+        # (a recompile for every new width; torch calls a one-row slice contiguous, so .contiguous() won't do).
+        at = torch.arange(keys)
+        read = table.gather(1, (at // block_size).expand(padded, keys)) * block_size + at % block_size
         pos = torch.tensor(positions + [0] * spare, dtype=torch.long)
         write = read.gather(1, pos[:, None]).squeeze(1)
         ids = torch.tensor(tokens + [0] * spare, dtype=torch.long)[:, None]
+        args = (ids, pos[:, None], write, read)
         if self.compiled:
+            # One graph per bucket (the batch static, as each bucket's kernels were made for it), the
+            # number of keys symbolic in each.
+            for tensor in args:
+                torch._dynamo.mark_static(tensor, 0)
             torch._dynamo.mark_dynamic(read, 1)
-        return self._call(ids, pos[:, None], write, read)[:rows]
+        return self._call(*args)[:rows]
 
     def _call(self, *args: torch.Tensor) -> torch.Tensor:
         try:
