@@ -123,10 +123,16 @@ def test_sampling_follows_the_seed() -> None:
 
 def test_compiled_decode_steps_give_the_eager_tokens() -> None:
     """The compiled step (one graph per batch bucket, the key length dynamic) against the eager step."""
+    from torch._dynamo.utils import counters
+
     model = tiny_decoder()
     results = {}
     for compiled in (False, True):
         engine = make_engine(model, max_batch=2, compile_decode=compiled)
+        engine.steps.warm_up(engine.blocks.block_size)
+        graphs = counters["stats"]["unique_graphs"]
         results[compiled] = _serve(engine, PROMPTS[:3], 10, stagger_s=0.002).tokens
         assert not engine.steps.notes, engine.steps.notes
+        # Warmed up, serving compiles nothing more: every key count and batch in its bucket's graph.
+        assert counters["stats"]["unique_graphs"] == graphs
     assert results[True] == results[False]
