@@ -38,7 +38,8 @@ class BlockManager:
         if num_blocks < 2:
             raise ValueError(f"{num_blocks} KV blocks: at least 2 are needed (block {SCRATCH_BLOCK} is scratch)")
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
-        self._never_used = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))  # popped from the end: 1, 2, ...
+        # Blocks holding nothing findable, popped from the end (1, 2, ... at first).
+        self._blank = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))
         self._refs = [0] * num_blocks
         self._cached: dict[int, int] = {}  # key hash -> block
         self._key_of: dict[int, tuple[int, BlockKey]] = {}  # block -> (key hash, key)
@@ -52,7 +53,7 @@ class BlockManager:
 
     @property
     def free(self) -> int:
-        return len(self._never_used) + len(self._evictable)
+        return len(self._blank) + len(self._evictable)
 
     @property
     def used(self) -> int:
@@ -108,7 +109,7 @@ class BlockManager:
                 if block in self._key_of:
                     self._evictable[block] = None  # most recently used last
                 else:
-                    self._never_used.append(block)
+                    self._blank.append(block)
         allocation.blocks = []
 
     def _take(self, block: int) -> None:
@@ -117,8 +118,8 @@ class BlockManager:
         self._refs[block] += 1
 
     def _new_block(self) -> int:
-        if self._never_used:
-            block = self._never_used.pop()
+        if self._blank:
+            block = self._blank.pop()
         else:
             block, _ = self._evictable.popitem(last=False)
             digest, _key = self._key_of.pop(block)
