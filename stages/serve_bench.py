@@ -2,7 +2,7 @@
 
 The stage starts ``opus serve`` on its incoming checkpoint (a server process of its own, the run's KV
 cache choice and compiled decode steps, as a user would start it), then runs a concurrency sweep of
-streaming clients (``opus.bench.serve_load``: real HTTP clients) on prompts cut from the pipeline's
+streaming clients (``opus.runtime.serve_load``: real HTTP clients) on prompts cut from the pipeline's
 evaluation text, and stops the server (SIGTERM: it drains and exits 0, or the stage fails).
 
 Metrics (at the highest concurrency; every level in ``serve_bench.json``): ``serve_output_tok_s``,
@@ -42,9 +42,9 @@ class Config(BaseModel):
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
-    from opus.bench.serve_load import plan_levels, requests_per_level, run_level, summarize
-    from opus.bench.serve_run import pipeline_tokenizer, serve_prompts
-    from opus.bench.serve_servers import opus_server
+    from opus.runtime.serve_load import plan_levels, requests_per_level, run_level, summarize
+    from opus.runtime.serve_prompts import pipeline_tokenizer, serve_prompts
+    from opus.runtime.server_process import opus_server
 
     if any(c < 1 for c in cfg.concurrency):
         raise ValueError(f"concurrency: every level needs at least 1 client, got {cfg.concurrency}")

@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from opus.bench.serve_load import DEFAULT_LEVELS  # standard library only at import: the CLI stays quick
 from opus.errors import EXIT_OK, InputError
+from opus.runtime.serve_load import DEFAULT_LEVELS  # standard library only at import: the CLI stays quick
 
 # Options of the contender bench that mean nothing to the serving sweep: refused with --serve.
 NOT_SERVE = {"only": "--only", "batch_size": "--batch", "warmup": "--warmup", "repeats": "--repeats",

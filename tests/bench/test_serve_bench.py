@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from opus.bench.serve_load import (
+from opus.cli.main import main
+from opus.errors import EXIT_INVALID
+from opus.runtime.serve_load import (
     LevelRun,
     RequestResult,
     make_client,
@@ -24,9 +26,7 @@ from opus.bench.serve_load import (
     run_level,
     summarize,
 )
-from opus.bench.serve_servers import Server, ServerError, free_port
-from opus.cli.main import main
-from opus.errors import EXIT_INVALID
+from opus.runtime.server_process import Server, ServerError, free_port
 
 HAS_LLAMA_SERVER = all(importlib.util.find_spec(m) for m in ("llama_cpp", "sse_starlette", "openai"))
 NEEDS_LLAMA_SERVER = pytest.mark.skipif(not HAS_LLAMA_SERVER, reason="llama-cpp-python[server] or openai is not "
@@ -116,8 +116,8 @@ def test_serve_options_are_checked_before_anything_starts(tmp_path, capsys) -> N
 
 
 def test_prompts_are_windows_of_the_pipeline_s_text_at_distinct_offsets(tmp_path) -> None:
-    from opus.bench.serve_run import pipeline_tokenizer, serve_prompts
     from opus.bench.target import resolve_target
+    from opus.runtime.serve_prompts import pipeline_tokenizer, serve_prompts
     from tests.bench.project import make_project
 
     target = resolve_target(make_project(tmp_path), tmp_path / "runs")

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from opus.bench.serve_servers import Server, free_port
+from opus.runtime.server_process import Server, free_port
 
 # A minimal chat template: the K3 demo's tokenizer has none (the server then refuses chat requests).
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
