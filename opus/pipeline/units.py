@@ -39,6 +39,10 @@ def unit_scope(key: str, config: dict[str, Any]) -> str:
 def clear_units(stages_dir: Path, stage_id: str) -> None:
     """Drop a stage's finished units (its checkpoint holds the result now)."""
     shutil.rmtree(units_root(stages_dir, stage_id), ignore_errors=True)
+    try:
+        (stages_dir / UNITS_DIR).rmdir()  # the last stage's: leave no empty folder behind
+    except OSError:
+        pass  # another stage still keeps units there
 
 
 class UnitStore:

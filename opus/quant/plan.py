@@ -133,7 +133,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
                                        f"kernel view: {entry['reason']}")
     doc["notes"] = notes
     doc["group_size"] = request.group_size
-    doc["sensitivity"] = {"method": request.scoring.method, "top_k": request.scoring.top_k, "units": total,
+    top_k = request.scoring.top_k if request.scoring.method == "suffix" else None  # full: the whole vocabulary
+    doc["sensitivity"] = {"method": request.scoring.method, "top_k": top_k, "units": total,
                           "measured": tally.measured, "reused": tally.reused}
     return doc, decisions
 

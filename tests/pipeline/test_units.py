@@ -41,4 +41,4 @@ def test_a_crashed_stage_retries_with_only_the_unfinished_units_then_drops_them(
     (record,) = summary(run_dir)["stages"]
     assert record["attempts"] == 2
     assert record["metrics"] == {"sum": sum(i * i for i in range(7)), "measured": 4, "reused": 3}
-    assert not (run_dir / "stages" / UNITS_DIR / "sweep").exists()
+    assert not (run_dir / "stages" / UNITS_DIR).exists()
