@@ -25,7 +25,7 @@ def _model_and_groups(family: str) -> tuple[torch.nn.Module, list]:
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_suffix_scores_match_the_full_measure(family: str) -> None:
     model, groups = _model_and_groups(family)
-    data = blocks(2, 32)
+    data = blocks(4, 32)  # with 2 blocks the MoE's top-16 error reached 7 % of the largest score
 
     def sweep(scoring: Scoring) -> dict:
         return measure_sensitivity(model, groups, FORMATS, data, group_size=32, scoring=scoring)
