@@ -177,8 +177,8 @@ class _Call:
                     self.reason = "stop"
                 if piece:
                     yield piece
-            if why is not None and self.reason is None:
-                self.reason = "stop" if why == "cancelled" and self.text.stopped else why
+            if why is not None and self.reason is None:  # a stop string has set it already
+                self.reason = why
         tail = self.text.finish()
         if tail:
             yield tail

@@ -45,7 +45,6 @@ class BlockManager:
         self._key_of: dict[int, tuple[int, BlockKey]] = {}  # block -> (key hash, key)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.hits = 0  # prompt tokens served from the prefix cache
-        self.queries = 0  # prompt tokens looked up
 
     @property
     def usable(self) -> int:
@@ -88,7 +87,6 @@ class BlockManager:
         for block in shared:
             self._take(block)
         fresh = [self._new_block() for _ in range(needed)]
-        self.queries += len(prompt)
         self.hits += len(shared) * self.block_size
         return Allocation(shared + fresh, len(shared) * self.block_size, [d for d, _ in keys])
 

@@ -63,7 +63,6 @@ class Stats:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    finished: int = 0
 
 
 class Engine:
@@ -222,5 +221,4 @@ class Engine:
         elif len(request.generated) >= request.max_tokens:
             request.finish_reason = "length"
         if request.finish_reason is not None:
-            self.stats.finished += 1
             request.emit(None, request.finish_reason)
