@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -122,7 +124,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         kind, value = cfg.budget.kind_value()
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
                               cfg.group_size, cfg.end_to_end_check, cfg.rounds,
-                              Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"))
+                              Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"),
+                              _cluster(ctx, model))
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
         sweep = doc["sensitivity"]
         ctx.log(f"sensitivity: {sweep['units']} units, {sweep['measured']} measured, {sweep['reused']} reused "
@@ -140,6 +143,30 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         metrics["predicted_linear_speedup"] = predicted["linear_speedup"]
     info = {"notes": doc.get("notes", []), **({"sensitivity": doc["sensitivity"]} if "sensitivity" in doc else {})}
     return StageResult(metrics=metrics, info=info)
+
+
+def _cluster(ctx: StageContext, model: Any) -> Callable[[], AbstractContextManager[Any]] | None:
+    """The sweep's pool when the pipeline fans out (run.executor: {ray: ...}); None runs it here."""
+    executor = ctx.spec.run.executor
+    if executor == "local":
+        return None
+    from opus.cluster.ray_pool import ray_pool
+    from opus.cluster.wire import NotShippable, pack_check
+
+    try:
+        pack_check(model)
+    except NotShippable as exc:
+        raise InputError(f"the sweep cannot fan out: {exc}", key="run.executor") from None
+
+    def on_event(name: str, fields: dict[str, Any]) -> None:
+        ctx.event(name, **fields)
+        if name == "cluster_task_retried":
+            ctx.log(f"cluster: task {fields['task']} failed (attempt {fields['attempt']}), retried: {fields['error']}")
+        elif name == "cluster_connected":
+            ctx.log(f"cluster: {fields['address']}, {fields['nodes']} node(s), {fields['cpus']:g} CPUs, "
+                    f"{fields['slots']} task(s) at a time")
+
+    return lambda: ray_pool(executor.ray, on_event)
 
 
 def _user_plan(path: Path, model, note: str | None = None) -> dict:  # noqa: ANN001

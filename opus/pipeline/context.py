@@ -83,6 +83,10 @@ class StageContext:
         print(message, file=sys.stderr, flush=True)
         self.report({"t": "log", "message": message})
 
+    def event(self, name: str, **fields: Any) -> None:
+        """A line in the run's events.jsonl (written by the runner), e.g. a cluster task retried."""
+        self.report({"t": "event", "event": name, "fields": fields})
+
     def load_model(self) -> Any:
         """The incoming model state, materialized: ``Materialized(model, tokenizer, ...)``."""
         if self._loaded is None:

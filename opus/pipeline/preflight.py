@@ -4,6 +4,7 @@
 spec and the stage configs validated, and takes seconds:
 
 - the device exists here (``cpu``, ``cuda``, ``cuda:N`` with N below the device count);
+- Ray is installed when ``run.executor`` asks for it;
 - each stage type's own checks of its config against the pipeline (``preflight(cfg, spec)``, e.g. a
   plan that asks for a format this device cannot run);
 - every gate names a metric its stage type reports: a stage type declares ``METRICS``, the keys it
@@ -29,6 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from opus.cluster.settings import RAY_MISSING, ray_installed
 from opus.pipeline.gates import ALIASES, metric_key
 from opus.pipeline.preflight_model import UNKNOWN, TokenizerLoader, check_model
 from opus.pipeline.registry import StageType
@@ -40,10 +42,17 @@ _CUDA = re.compile(r"cuda(?::(\d+))?")
 def preflight(loaded: LoadedPipeline, types: dict[str, tuple[StageType, BaseModel]]) -> None:
     """Raise the first problem found as an InputError; cheap checks first."""
     check_device(loaded)
+    check_executor(loaded)
     check_stage_configs(loaded, types)
     check_gates(loaded, types)
     tokenizer = check_model(loaded)
     check_text_sets(loaded, tokenizer)
+
+
+def check_executor(loaded: LoadedPipeline) -> None:
+    """A pipeline that fans out on Ray needs Ray here (the driver side): say so before anything runs."""
+    if loaded.spec.run.executor != "local" and not ray_installed():
+        raise loaded.error(RAY_MISSING, ("run", "executor"))
 
 
 def check_device(loaded: LoadedPipeline) -> None:

@@ -309,8 +309,13 @@ class Runner:
             job, out_dir / JOB_FILE, self.run_dir / "logs" / f"{final.name}.log",
             stall_timeout_s=self.spec.run.stall_timeout_s,
             timeout_s=stage.timeout_s or self.spec.run.stage_timeout_s,
-            on_message=lambda m, s=stage_id: self.display.update(s, m), env=env)
+            on_message=lambda m, s=stage_id: self._on_message(s, m), env=env)
         return outcome, time.monotonic() - started
+
+    def _on_message(self, stage_id: str, message: dict[str, Any]) -> None:
+        if message.get("t") == "event" and isinstance(message.get("fields"), dict):
+            self.events.emit(str(message.get("event")), stage=stage_id, **message["fields"])
+        self.display.update(stage_id, message)
 
     def _checkpoint_estimate(self, stage_id: str, incoming: Path | None) -> int:
         if self._role(stage_id) not in ("transform", "export"):

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from opus.cluster.settings import ExecutorSettings
 from opus.errors import InputError
 from opus.pipeline.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines, parse_yaml
 
@@ -85,6 +86,9 @@ class RunSpec(Strict):
     track: Literal["none", "git"] = "none"
     # An earlier run whose timing decisions this one replays (opus.pipeline.replay); `opus run --decisions-from`.
     decisions_from: str | None = None
+    # Where the plan stage's sensitivity sweep runs: this machine, or {ray: {...}} (opus.cluster). Not part
+    # of any stage key: the same units come out either way, so a run can move between the two and resume.
+    executor: Literal["local"] | ExecutorSettings = "local"
 
 
 class Threshold(Strict):

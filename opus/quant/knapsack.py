@@ -31,6 +31,7 @@ class Candidate:
     kl: float | None = None
     measured_ms: float | None = None  # the median measured, where it differs from time_ms
     how: str | None = None  # how dce and kl were obtained (opus.quant.sensitivity.Scoring.describe)
+    where: str | None = None  # the cluster worker that scored it (None: the stage's own process)
 
     @property
     def measured(self) -> float:
@@ -114,11 +115,14 @@ def explain(group: GroupChoice, chosen: Candidate, kind: str) -> str:
 
 
 def _scored_by(candidates: list[Candidate]) -> dict[str, Any]:
-    """How the group's scores were obtained: one line when all agree (they usually do), else per format."""
-    how = {c.fmt: c.how for c in candidates if c.how}
-    if not how:
-        return {}
-    return {"scored_by": next(iter(how.values())) if len(set(how.values())) == 1 else how}
+    """How the group's scores were obtained, and where when on a cluster: one line when all agree
+    (they usually do), else per format."""
+    out: dict[str, Any] = {}
+    for key, attr in (("scored_by", "how"), ("scored_on", "where")):
+        found = {c.fmt: getattr(c, attr) for c in candidates if getattr(c, attr)}
+        if found:
+            out[key] = next(iter(found.values())) if len(set(found.values())) == 1 else found
+    return out
 
 
 def plan_document(groups: list[GroupChoice], chosen: dict[str, Candidate], budget: dict[str, Any],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,9 @@ class PlanRequest:
     rounds: int = DEFAULT_ROUNDS  # interleaved timing rounds per decision (opus.runtime.choose)
     scoring: Scoring = field(default_factory=Scoring)  # how each (group, format) is scored
     units: UnitCache | None = None  # finished sensitivity units, reused across attempts
+    # Opens a pool of cluster workers for the sweep (opus.cluster.ray_pool.ray_pool), closed before any
+    # timing so that nothing else runs on the machine while kernels are timed; None: this process.
+    cluster: Callable[[], AbstractContextManager[Any]] | None = None
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -85,14 +89,15 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     act = [f for f in formats if FORMATS[f].acts_quantized]
     total = len(free) * len(formats)
     tally = Tally(request.units)
-    sweep = dict(group_size=request.group_size, scoring=request.scoring, units=tally, progress=progress,
-                 total=total)
-    scores = measure_sensitivity(model, free, plain, blocks, **sweep)
-    if act:  # activation formats are scored as they will run: after SmoothQuant (exact in float)
-        apply_smoothing(model, stats, smooth_groups(model))
-        more = measure_sensitivity(model, free, act, blocks, done=len(free) * len(plain), **sweep)
-        for name, by_fmt in more.items():
-            scores.setdefault(name, {}).update(by_fmt)
+    with request.cluster() if request.cluster else nullcontext() as pool:
+        sweep = dict(group_size=request.group_size, scoring=request.scoring, units=tally, progress=progress,
+                     total=total, pool=pool)
+        scores = measure_sensitivity(model, free, plain, blocks, **sweep)
+        if act:  # activation formats are scored as they will run: after SmoothQuant (exact in float)
+            apply_smoothing(model, stats, smooth_groups(model))
+            more = measure_sensitivity(model, free, act, blocks, done=len(free) * len(plain), **sweep)
+            for name, by_fmt in more.items():
+                scores.setdefault(name, {}).update(by_fmt)
     cfg = getattr(model, "config", None)
     experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 0) or 0
     timer = KernelTimer(device, dtype, request.group_size, request.rounds)
@@ -135,8 +140,18 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     doc["group_size"] = request.group_size
     top_k = request.scoring.top_k if request.scoring.method == "suffix" else None  # full: the whole vocabulary
     doc["sensitivity"] = {"method": request.scoring.method, "top_k": top_k, "units": total,
-                          "measured": tally.measured, "reused": tally.reused}
+                          "measured": tally.measured, "reused": tally.reused, "ran_on": _ran_on(scores)}
     return doc, decisions
+
+
+def _ran_on(scores: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """How many units ran where (a reused unit counts where it ran first); "this process" when local."""
+    out: dict[str, int] = {}
+    for by_fmt in scores.values():
+        for score in by_fmt.values():
+            where = score.get("where", "this process")
+            out[where] = out.get(where, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _timeable(group: QGroup, linears: list[nn.Linear], force: str | None, formats: list[str],
@@ -167,7 +182,8 @@ def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, sa
     counted = credible(decision)
     candidates = [Candidate(fmt, counted[fmt], _cost(budget_kind, fmt, params, dce[fmt]), dce[fmt],
                             scores.get(fmt, {}).get("kl"), measured_ms=decision.medians[fmt],
-                            how=scores.get(fmt, {}).get("how")) for fmt in samples]
+                            how=scores.get(fmt, {}).get("how"), where=scores.get(fmt, {}).get("where"))
+                  for fmt in samples]
     choice = GroupChoice(group.name, group.role, group.modules, decision.medians[noop_name()], candidates, force,
                          params, margin=decision.margin)
     return choice, decision

@@ -9,12 +9,19 @@ Each (group, format) pair is one unit of work. ``Scoring`` says how a unit is me
 states, and scores the reference's top-k vocabulary plus the target and a tail bucket
 (opus.quant.suffix); ``full`` runs the whole model over the whole vocabulary. Every score says how it
 was obtained (``how``). A ``UnitCache`` keeps finished units, so a sweep stopped half-way resumes.
+
+Given a ``pool`` (opus.cluster.ray_pool.RayPool) the units fan out: the model and the calibration
+blocks go into the object store once, and each task scores a batch of units, contiguous in layer order
+(a suffix task first runs the layers before its first unit once), with the same trial code; each score
+then says where it ran (``where``).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
@@ -36,7 +43,7 @@ from opus.quant.suffix import (
 )
 
 Progress = Callable[[float, float, str], None]
-Score = dict[str, Any]  # {"dce": float, "kl": float, "how": str}
+Score = dict[str, Any]  # {"dce": float, "kl": float, "how": str, and "where" when it ran on a cluster}
 METHODS = ("suffix", "full")
 
 
@@ -151,15 +158,55 @@ def _suffix_trials(model: nn.Module, todo: list[Unit], blocks: torch.Tensor, bat
         yield (group, fmt), {"dce": dce, "kl": kl, "how": scoring.describe(start, n)}
 
 
+def _trials(model: nn.Module, scoring: Scoring) -> Callable[..., Iterator[tuple[Unit, Score]]]:
+    return _suffix_trials if scoring.method == "suffix" and supports(model) else _full_trials
+
+
+TASK = "opus.quant.sensitivity:score_batch"  # what a cluster task runs (opus.cluster.ray_pool)
+TASKS_PER_SLOT = 4  # small enough tasks that a retry or a kill loses little
+
+
+def _remote_trials(pool: Any, model: nn.Module, todo: list[Unit], blocks: torch.Tensor, batch_size: int,
+                   group_size: int, scoring: Scoring) -> Iterator[tuple[Unit, Score]]:
+    """The same trials as tasks on a cluster, as they finish."""
+    from opus.cluster.wire import pack_model
+
+    if scoring.method == "suffix" and supports(model):  # contiguous in layer order: each task's prefix runs once
+        layers = len(model.model.layers)
+        todo = sorted(todo, key=lambda unit: start_layer(unit[0], layers))
+    per_task = pool.settings.units_per_task or max(1, math.ceil(len(todo) / (TASKS_PER_SLOT * pool.slots)))
+    batches = [todo[i:i + per_task] for i in range(0, len(todo), per_task)]
+    shared = pool.share(*pack_model(model, {"blocks": blocks.cpu()}))
+    settings = {"batch_size": batch_size, "group_size": group_size, "scoring": asdict(scoring)}
+    payloads = [json.dumps({**settings, "units": [[asdict(g), fmt] for g, fmt in batch]}) for batch in batches]
+    for finished in pool.run(TASK, shared, payloads):
+        for unit, score in zip(batches[finished.index], json.loads(finished.result)):
+            yield unit, {**score, "where": finished.where}
+
+
+def score_batch(meta: str, blob: bytes, payload: str) -> str:
+    """A cluster task: rebuild the model (opus.cluster.wire), score the payload's units, as JSON."""
+    from opus.cluster.wire import unpack_model
+
+    model, extra = unpack_model(meta, blob)
+    job = json.loads(payload)
+    todo = [(QGroup(**group), fmt) for group, fmt in job["units"]]
+    scoring = Scoring(**job["scoring"])
+    with torch.inference_mode():
+        found = {unit_name(*unit): score for unit, score in
+                 _trials(model, scoring)(model, todo, extra["blocks"], job["batch_size"], job["group_size"], scoring)}
+    return json.dumps([found[unit_name(*unit)] for unit in todo])
+
+
 @torch.inference_mode()
 def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[str], blocks: torch.Tensor,
                         *, group_size: int = 128, batch_size: int = 4, scoring: Scoring | None = None,
                         units: UnitCache | None = None, progress: Progress | None = None,
-                        done: int = 0, total: int | None = None) -> dict[str, dict[str, Score]]:
+                        done: int = 0, total: int | None = None, pool: Any = None) -> dict[str, dict[str, Score]]:
     """``{group: {format: {"dce", "kl", "how"}}}`` for every group and candidate format it can take.
 
     Units found in ``units`` are reused, not measured again; each measured one is put there as soon
-    as it is finished."""
+    as it is finished. With a ``pool`` the units not found run as tasks on its cluster."""
     scoring = scoring or Scoring()
     if scoring.method not in METHODS:
         raise ValueError(f"unknown sensitivity method '{scoring.method}' (known: {', '.join(METHODS)})")
@@ -188,8 +235,11 @@ def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[st
             reused += 1
             tick(f"{group.name} {fmt}")
     if todo:
-        trials = _suffix_trials if scoring.method == "suffix" and supports(model) else _full_trials
-        for (group, fmt), score in trials(model, todo, blocks, batch_size, group_size, scoring):
+        if pool is not None:
+            trials = _remote_trials(pool, model, todo, blocks, batch_size, group_size, scoring)
+        else:
+            trials = _trials(model, scoring)(model, todo, blocks, batch_size, group_size, scoring)
+        for (group, fmt), score in trials:
             found[unit_name(group, fmt)] = score
             if units is not None:
                 units.put(unit_name(group, fmt), score)

@@ -166,6 +166,9 @@ def _precision(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
         blocks.append(("p", f"sensitivity: {sweep.get('method')} (top-k {sweep.get('top_k') or 'all'}), "
                             f"{sweep.get('units')} units: {sweep.get('measured')} measured, "
                             f"{sweep.get('reused')} reused from an earlier attempt"))
+        ran_on = sweep.get("ran_on")
+        if isinstance(ran_on, dict) and ran_on:  # where each unit was scored: the stage itself or cluster workers
+            blocks.append(("p", "scored on: " + "; ".join(f"{where}: {n} units" for where, n in ran_on.items())))
     blocks += [("img", "precision", "precision map with sensitivity scores"),
                ("table", ["layer", "format", "sensitivity", "score per format", "reason"],
                 [[x.get("name"), x.get("format"), _f(x.get("score")), x["scores"], x.get("reason", "")]
