@@ -52,8 +52,9 @@ class Sensitivity(BaseModel):
     """How each (group, format) trial is scored (opus.quant.sensitivity)."""
 
     model_config = ConfigDict(extra="forbid")
-    method: Literal["suffix", "full"] = Field("suffix", description="suffix: run only the layers from the group's "
-                                              "first one, from cached hidden states; full: the whole model")
+    method: Literal["suffix", "full", "taylor"] = Field(
+        "suffix", description="suffix: run only the layers from the group's first one, from cached hidden states; "
+        "full: the whole model; taylor: a second-order proxy from one backward pass per batch (opus.quant.taylor)")
     top_k: int | None = Field(64, ge=1, description="suffix: score the reference's top-k tokens, the target and "
                               "the tail (null: the full vocabulary, as the full measure does)")
 

@@ -1,13 +1,15 @@
 """Per-group, per-format sensitivity: quantize one group alone (fake-quant), measure the damage.
 
-Fake quantization is used here and only here: it scores candidates; the measured model always runs
-the real kernels. Scores: the increase of next-token cross-entropy on calibration text (Δce, whose
-exponential is the predicted perplexity ratio) and the KL divergence of the final logits.
+Fake quantization is used here (and in opus.quant.taylor) and nowhere else: it scores candidates;
+the measured model always runs the real kernels. Scores: the increase of next-token cross-entropy on
+calibration text (Δce, whose exponential is the predicted perplexity ratio) and the KL divergence of
+the final logits.
 
 Each (group, format) pair is one unit of work. ``Scoring`` says how a unit is measured: ``suffix``
 (the default on Opus decoders) runs only the layers from the group's first one, from cached hidden
 states, and scores the reference's top-k vocabulary plus the target and a tail bucket
-(opus.quant.suffix); ``full`` runs the whole model over the whole vocabulary. Every score says how it
+(opus.quant.suffix); ``full`` runs the whole model over the whole vocabulary; ``taylor`` predicts
+every unit from one forward and backward pass per batch (opus.quant.taylor). Every score says how it
 was obtained (``how``). A ``UnitCache`` keeps finished units, so a sweep stopped half-way resumes.
 
 Given a ``pool`` (opus.cluster.ray_pool.RayPool) the units fan out: the model and the calibration
@@ -41,18 +43,22 @@ from opus.quant.suffix import (
     start_layer,
     supports,
 )
+from opus.quant.taylor import HOW as TAYLOR_HOW
+from opus.quant.taylor import taylor_trials
 
 Progress = Callable[[float, float, str], None]
 Score = dict[str, Any]  # {"dce": float, "kl": float, "how": str, and "where" when it ran on a cluster}
-METHODS = ("suffix", "full")
+METHODS = ("suffix", "full", "taylor")
 
 
 @dataclass(frozen=True)
 class Scoring:
-    method: str = "suffix"  # "suffix" or "full" (see the module docstring)
+    method: str = "suffix"  # one of METHODS (see the module docstring)
     top_k: int | None = 64  # suffix only; None: the full vocabulary
 
     def describe(self, start: int | None, num_layers: int | None = None) -> str:
+        if self.method == "taylor":
+            return TAYLOR_HOW
         if start is None:
             return "full forward, full vocabulary"
         vocab = "full vocabulary" if self.top_k is None else f"top-{self.top_k} + target + tail"
@@ -159,7 +165,9 @@ def _suffix_trials(model: nn.Module, todo: list[Unit], blocks: torch.Tensor, bat
 
 
 def _trials(model: nn.Module, scoring: Scoring) -> Callable[..., Iterator[tuple[Unit, Score]]]:
-    return _suffix_trials if scoring.method == "suffix" and supports(model) else _full_trials
+    if not supports(model):  # both shortcuts need Opus's decoder
+        return _full_trials
+    return {"suffix": _suffix_trials, "taylor": taylor_trials}.get(scoring.method, _full_trials)
 
 
 TASK = "opus.quant.sensitivity:score_batch"  # what a cluster task runs (opus.cluster.ray_pool)
@@ -235,7 +243,7 @@ def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[st
             reused += 1
             tick(f"{group.name} {fmt}")
     if todo:
-        if pool is not None:
+        if pool is not None and scoring.method != "taylor":  # the proxy is a few passes: nothing to fan out
             trials = _remote_trials(pool, model, todo, blocks, batch_size, group_size, scoring)
         else:
             trials = _trials(model, scoring)(model, todo, blocks, batch_size, group_size, scoring)

@@ -87,3 +87,26 @@ def test_a_reference_whose_top_k_holds_all_the_mass_stays_finite() -> None:
     ref = reference(head, x, torch.zeros(1, 5, dtype=torch.long), top_k=2)
     assert ref.sample is not None and ref.tail_row is not None
     assert torch.isfinite(ref.tail_row).all() and torch.isfinite(ref.logp[ref.keep]).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_the_taylor_proxy_tracks_the_full_measure_and_leaves_the_model_as_it_was(family: str) -> None:
+    from opus.quant.taylor import HOW
+
+    model, groups = _model_and_groups(family)
+    data = blocks(4, 32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.lm_head.weight.requires_grad_(True)  # a trainable weight stays trainable, and gets no gradient
+    proxy = measure_sensitivity(model, groups, FORMATS, data, group_size=32, scoring=Scoring("taylor"))
+    full = measure_sensitivity(model, groups, FORMATS, data, group_size=32, scoring=Scoring("full"))
+    pairs = [(g, f) for g in full for f in full[g]]
+    assert proxy.keys() == full.keys() and len(pairs) == len(groups) * len(FORMATS)
+    assert all(proxy[g][f]["how"] == HOW == Scoring("taylor").describe(0) for g, f in pairs)
+    predicted = torch.tensor([proxy[g][f]["dce"] for g, f in pairs])
+    measured = torch.tensor([full[g][f]["dce"] for g, f in pairs])
+    # Routing flips in an MoE lie outside any Taylor expansion: a looser bound there.
+    bound = 0.9 if family == "llama" else 0.7
+    assert float(torch.corrcoef(torch.stack([predicted, measured]))[0, 1]) > bound, (predicted, measured)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.lm_head.weight.requires_grad and model.lm_head.weight.grad is None
+    assert not any(m._forward_hooks for m in model.modules())

@@ -1,0 +1,103 @@
+"""Sensitivity from one backward pass per batch: a second-order Taylor proxy (as ModelOpt's AutoQuantize).
+
+Quantizing a linear layer changes its output by ΔY = Y_q − Y (weights and, for activation formats,
+inputs as the kernel would see them). To second order, with the empirical Fisher standing in for the
+Hessian of the loss, the summed cross-entropy moves by Σ g·ΔY + ½ Σ g²·ΔY² (g = ∂L/∂Y), summed over
+tokens and output features; a group's score is the sum over its layers (cross-terms dropped).
+AutoQuantize keeps only the second term (its expectation over a trained model's data). Here the first
+is kept as well: the measured scores are the change on these very calibration blocks, and on a model
+that int8 barely moves (K3) the first-order term is most of it, of either sign (README: the proxy
+against the full measure).
+One forward and one backward pass per calibration batch give every layer's input and output gradient;
+each (layer, format) pair then costs one fake-quantized GEMM, instead of a (partial) forward per unit.
+``plan.yaml`` says ``taylor proxy`` beside each score obtained so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opus.quant.formats import FORMATS
+from opus.quant.groups import QGroup
+
+HOW = "taylor proxy (first and second order in the layer outputs, one backward pass per batch)"
+
+
+class _Capture:
+    """Each watched linear's input and the gradient of the loss with respect to its output."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.hooks = [model.get_submodule(n).register_forward_hook(self._hook(n)) for n in names]
+        # The graph starts at the embedding's output: gradients reach every activation, no weight needs one.
+        self.hooks.append(model.model.embed_tokens.register_forward_hook(
+            lambda _m, _a, out: out.detach().requires_grad_(True)))
+
+    def _hook(self, name: str):  # noqa: ANN202
+        def hook(_module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            self.inputs[name] = args[0].detach().reshape(-1, args[0].shape[-1])
+            out.register_hook(lambda g: self.grads.__setitem__(name, g.detach().reshape(-1, g.shape[-1])))
+        return hook
+
+    def clear(self) -> None:
+        self.inputs.clear()
+        self.grads.clear()
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _layer_score(layer: nn.Linear, fmt: str, x: torch.Tensor, grad: torch.Tensor, group_size: int) -> float:
+    """Σ g·ΔY + ½ Σ g²·ΔY² for one layer in one format over one batch's tokens."""
+    spec = FORMATS[fmt]
+    weight = layer.weight.detach()
+    delta = F.linear(spec.fake_quant_input(x), spec.fake_quant_weight(weight, group_size)) - F.linear(x, weight)
+    g, d = grad.float(), delta.float()
+    return float((g * d).sum() + 0.5 * (g.square() * d.square()).sum())
+
+
+def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torch.Tensor, batch_size: int,
+                  group_size: int, scoring: Any) -> Iterator[tuple[tuple[QGroup, str], dict[str, Any]]]:
+    """Every unit's score from the same passes; yielded once all batches are done."""
+    names = sorted({n for group, _ in todo for n in group.modules})
+    by_layer: dict[str, set[str]] = {n: set() for n in names}
+    for group, fmt in todo:
+        for n in group.modules:
+            by_layer[n].add(fmt)
+    totals = {(n, f): 0.0 for n, fmts in by_layer.items() for f in fmts}
+    capture = _Capture(model, names)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            for batch in blocks.split(batch_size):
+                capture.clear()
+                logits = model(batch.clone())  # a normal tensor: inference-mode ids cannot enter autograd
+                loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                       batch[:, 1:].reshape(-1), reduction="sum")
+                loss.backward()
+                with torch.no_grad():
+                    for n, fmts in by_layer.items():
+                        if n not in capture.grads:  # an expert no token was routed to in this batch
+                            continue
+                        layer = model.get_submodule(n)
+                        for fmt in fmts:
+                            totals[(n, fmt)] += _layer_score(layer, fmt, capture.inputs[n], capture.grads[n],
+                                                             group_size)
+    finally:
+        capture.clear()
+        capture.remove()
+        for p in trainable:
+            p.requires_grad_(True)
+    predicted = blocks.shape[0] * (blocks.shape[1] - 1)
+    for group, fmt in todo:
+        dce = sum(totals[(n, fmt)] for n in group.modules) / predicted
+        yield (group, fmt), {"dce": dce, "kl": None, "how": HOW}
