@@ -32,8 +32,11 @@ HEALTH_TIMEOUT_S = 10.0
 SHUTDOWN_TIMEOUT_S = 20.0
 
 
-class ClusterError(OpusError):
-    """The cluster could not be reached or was lost, or a task failed past its retries."""
+class ClusterError(RuntimeError):
+    """The cluster could not be reached or was lost, or a task failed past its retries.
+
+    Not an OpusError (bad input, the same on every attempt): the run counts it as a crash, which a
+    retry or ``opus resume`` runs again, with the units finished so far."""
 
 
 @dataclass
@@ -96,6 +99,16 @@ def _first_line(exc: BaseException) -> str:
     return (lines[-1] if lines else type(exc).__name__)[:300]
 
 
+def _too_wide(nodes: list[dict[str, Any]], settings: RaySettings) -> str | None:
+    """Why no live node can hold one task (its CPUs or GPUs), or None."""
+    for key, asked in (("CPU", settings.num_cpus_per_task), ("GPU", settings.num_gpus_per_task)):
+        widest = max((n.get("Resources", {}).get(key, 0.0) for n in nodes if n.get("Alive")), default=0.0)
+        if asked > widest:
+            return (f"run.executor.ray.num_{key.lower()}s_per_task is {asked:g}, but the largest node of the "
+                    f"cluster has {widest:g} {key}s")
+    return None
+
+
 class RayPool:
     """A connection to a cluster for one stretch of work (``with ray_pool(settings) as pool``)."""
 
@@ -110,6 +123,10 @@ class RayPool:
         if self.started_here:
             self._connect()
         cpus = float(ray.cluster_resources().get("CPU", 1.0))
+        too_wide = _too_wide(ray.nodes(), settings)
+        if too_wide:  # Ray would wait forever for a node that can hold one task; the same on every attempt
+            self.close()
+            raise OpusError(too_wide)
         self.slots = settings.max_concurrency or max(1, int(cpus // settings.num_cpus_per_task))
         self.threads = max(1, int(settings.num_cpus_per_task))
         self._remote = ray.remote(_call).options(num_cpus=settings.num_cpus_per_task,

@@ -40,3 +40,17 @@ def test_a_cluster_lost_mid_way_ends_the_work_with_a_clear_error(tmp_path: Path,
             threading.Thread(target=kill_when_started, daemon=True).start()
             list(p.run(f"{TASKS}:slow", p.share(str(tmp_path), b""), ["s"]))
     assert time.monotonic() - started < 50  # not the task's minute, nor Ray's own reconnect timeout
+
+
+def test_a_task_wider_than_every_node_is_refused_at_once() -> None:
+    """Ray would keep such a task pending forever; a bad setting is input, not a crash to retry."""
+    from opus.errors import OpusError
+
+    with pytest.raises(OpusError, match=r"num_cpus_per_task is 3, but the largest node of the cluster has 2 CPUs"):
+        RayPool(RaySettings(local_cpus=2, num_cpus_per_task=3))
+    import ray
+
+    assert not ray.is_initialized()  # the instance it started for the check is stopped
+    nodes = [{"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": False, "Resources": {"CPU": 16.0, "GPU": 1.0}}]
+    assert "has 0 GPUs" in pool_module._too_wide(nodes, RaySettings(num_gpus_per_task=1))
+    assert pool_module._too_wide(nodes, RaySettings(num_cpus_per_task=8)) is None
