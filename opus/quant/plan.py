@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -43,6 +44,9 @@ class PlanRequest:
     # Opens a pool of cluster workers for the sweep (opus.cluster.ray_pool.ray_pool), closed before any
     # timing so that nothing else runs on the machine while kernels are timed; None: this process.
     cluster: Callable[[], AbstractContextManager[Any]] | None = None
+    # Kernel timings by group, filled as they are measured and reused where present: two plans made with
+    # one dict differ only by their scores (a comparison of scoring methods holds the timings fixed).
+    timings: dict[str, dict[str, list[float]]] | None = None
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -89,6 +93,7 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     act = [f for f in formats if FORMATS[f].acts_quantized]
     total = len(free) * len(formats)
     tally = Tally(request.units)
+    sweep_started = time.monotonic()
     with request.cluster() if request.cluster else nullcontext() as pool:
         sweep = dict(group_size=request.group_size, scoring=request.scoring, units=tally, progress=progress,
                      total=total, pool=pool)
@@ -98,6 +103,7 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
             more = measure_sensitivity(model, free, act, blocks, done=len(free) * len(plain), **sweep)
             for name, by_fmt in more.items():
                 scores.setdefault(name, {}).update(by_fmt)
+    sweep_s = time.monotonic() - sweep_started  # a cluster's start-up and hand-back included
     cfg = getattr(model, "config", None)
     experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 0) or 0
     timer = KernelTimer(device, dtype, request.group_size, request.rounds)
@@ -106,7 +112,11 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
         linears = [model.get_submodule(m) for m in group.modules]
         force = forced[group.name]
         timeable = _timeable(group, linears, force, formats, scores.get(group.name, {}), request.group_size, notes)
-        samples = group_rounds_ms(timer, timeable, group.modules, linears, group.role, workload, experts, top_k)
+        samples = (request.timings or {}).get(group.name)
+        if samples is None or set(samples) != set(timeable):
+            samples = group_rounds_ms(timer, timeable, group.modules, linears, group.role, workload, experts, top_k)
+            if request.timings is not None:
+                request.timings[group.name] = samples
         choice, decision = _group_choice(group, linears, force, samples, scores.get(group.name, {}),
                                          request.budget_kind)
         choices.append(choice)
@@ -140,7 +150,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     doc["group_size"] = request.group_size
     top_k = request.scoring.top_k if request.scoring.method == "suffix" else None  # full: the whole vocabulary
     doc["sensitivity"] = {"method": request.scoring.method, "top_k": top_k, "units": total,
-                          "measured": tally.measured, "reused": tally.reused, "ran_on": _ran_on(scores)}
+                          "measured": tally.measured, "reused": tally.reused, "ran_on": _ran_on(scores),
+                          "seconds": round(sweep_s, 1)}
     return doc, decisions
 
 

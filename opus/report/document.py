@@ -169,11 +169,20 @@ def _precision(run_dir: Path, images: dict[str, bytes]) -> list[Block]:
         ran_on = sweep.get("ran_on")
         if isinstance(ran_on, dict) and ran_on:  # where each unit was scored: the stage itself or cluster workers
             blocks.append(("p", "scored on: " + "; ".join(f"{where}: {n} units" for where, n in ran_on.items())))
+    where = any("scored_on" in x for x in layers)  # a sweep on a cluster: which worker scored each group
     blocks += [("img", "precision", "precision map with sensitivity scores"),
-               ("table", ["layer", "format", "sensitivity", "score per format", "reason"],
-                [[x.get("name"), x.get("format"), _f(x.get("score")), x["scores"], x.get("reason", "")]
-                 for x in layers])]
+               ("table", ["layer", "format", "sensitivity", "score per format", *(["scored on"] if where else []),
+                          "reason"],
+                [[x.get("name"), x.get("format"), _f(x.get("score")), x["scores"],
+                  *([_where(x.get("scored_on"))] if where else []), x.get("reason", "")] for x in layers])]
     return blocks
+
+
+def _where(scored_on: Any) -> str:
+    """One worker, or the worker per format when the group's formats ran on several."""
+    if isinstance(scored_on, dict):
+        return "; ".join(f"{fmt}: {w}" for fmt, w in scored_on.items())
+    return str(scored_on or "")
 
 
 def _profile(run_dir: Path, images: dict[str, bytes]) -> list[Block]:

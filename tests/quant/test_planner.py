@@ -155,6 +155,7 @@ def test_make_plan_on_a_tiny_moe(tmp_path) -> None:  # noqa: ANN001
     # Each group says how its scores were obtained; the sweep says how many units it measured.
     assert qkv["scored_by"] == "suffix from layer 0, top-64 + target + tail"
     assert groups["model.layers.1.mlp.experts.down_proj"]["scored_by"].startswith("suffix from layer 1")
+    assert doc["sensitivity"].pop("seconds") > 0
     assert doc["sensitivity"] == {"method": "suffix", "top_k": 64, "units": 24, "measured": 24, "reused": 0,
                                   "ran_on": {"this process": 24}}
     assert doc["predicted"]["ppl_increase"] <= 0.05 * request.safety + 1e-9
