@@ -2,9 +2,10 @@
 
 ``int4_translations``: W4A16 layers call torch's CPU int4 GEMM (``aten._weight_int4pack_mm_for_cpu``, or
 ``opus::int4_mm_cpu`` under compile and export), whose weight is in the kernel's packed layout:
-rows in blocks of 64, for each input channel k 32 bytes, byte n = row n (low nibble) | row n + 32
-(high nibble); the rows past the last full block (a multiple of 16) pairwise, byte j = row 2j | row
-2j + 1. The graph unpacks the nibbles and repacks them as onnxruntime's ``com.microsoft.MatMulNBits``
+rows in blocks of B (four times the CPU's float vector width: 64 with AVX-512, 32 with AVX2; found by
+packing a probe, ``kernel_block_rows``), for each input channel k B / 2 bytes, byte n = row n (low
+nibble) | row n + B / 2 (high nibble); the rows past the last full block pairwise, byte j = row 2j |
+row 2j + 1. The graph unpacks the nibbles and repacks them as onnxruntime's ``com.microsoft.MatMulNBits``
 reads them (pairs along k, low nibble first; onnxruntime folds this at load, so the session keeps
 4-bit weights). The kernel computes ``x @ ((q - 8) * scale + zero)`` per group of input channels,
 with bf16 activations, scales and zeros and a bf16 result; the graph computes ``MatMulNBits(x)``
@@ -18,6 +19,7 @@ constants), bf16 initializers stay bf16 in the external data file and are cast o
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,33 @@ from typing import Any
 import torch
 
 FLOAT, BF16 = 1, 16  # onnx.TensorProto data types
-BLOCK_N = 64  # rows per block of torch's CPU int4 packing (aten/src/ATen/native/cpu/int4mm_kernel.cpp)
+
+
+def _unpack_rows(packed: torch.Tensor, block: int) -> torch.Tensor:
+    """The kernel's ``[n, k / 2]`` bytes -> ``[n, k]`` nibbles, if its blocks are ``block`` rows (as the graph does)."""
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    low, high, main = packed & 15, packed >> 4, n // block * block
+    parts = []
+    if main:
+        pair = torch.cat([low[:main].reshape(main // block, k, block // 2),
+                          high[:main].reshape(main // block, k, block // 2)], 2)
+        parts.append(pair.transpose(1, 2).reshape(main, k))
+    if n > main:
+        tail = torch.cat([low[main:].reshape(k, (n - main) // 2, 1), high[main:].reshape(k, (n - main) // 2, 1)], 2)
+        parts.append(tail.reshape(k, n - main).T)
+    return torch.cat(parts, 0)
+
+
+@functools.cache
+def kernel_block_rows() -> int:
+    """Rows per block of torch's CPU int4 packing on this machine (aten/src/ATen/native/cpu/int4mm_kernel.cpp:
+    four float vectors), found by packing a probe: the layout differs between AVX-512 and AVX2 builds."""
+    nibbles = torch.randint(0, 16, (192, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+    for block in (64, 32, 16):
+        if torch.equal(_unpack_rows(packed, block).to(torch.int32), nibbles):
+            return block
+    raise RuntimeError("torch's CPU int4 packing has a layout the ONNX export does not know")
 
 
 def int4_translations() -> dict[Any, Callable[..., Any]]:
@@ -39,7 +67,8 @@ def int4_translations() -> dict[Any, Callable[..., Any]]:
     def unpack(weight: Any) -> Any:
         """The kernel's packed ``[n, k / 2]`` bytes -> ``[n, k]`` nibbles."""
         n, half_k = (int(d) for d in weight.shape)
-        k, main, tail = 2 * half_k, n // BLOCK_N * BLOCK_N, n % BLOCK_N
+        block_n = kernel_block_rows()
+        k, main, tail = 2 * half_k, n // block_n * block_n, n % block_n
         low = op.BitwiseAnd(weight, op.Constant(value=ir.tensor(np.array(15, np.uint8))))
         high = op.BitShift(weight, op.Constant(value=ir.tensor(np.array(4, np.uint8))), direction="RIGHT")
         low_tail, high_tail = low, high
@@ -48,9 +77,9 @@ def int4_translations() -> dict[Any, Callable[..., Any]]:
             low, low_tail = op.Gather(low, rows, axis=0), op.Gather(low, rest, axis=0)
             high, high_tail = op.Gather(high, rows, axis=0), op.Gather(high, rest, axis=0)
         parts = []
-        if main:  # per block and input channel: 32 bytes, row r (low nibble) and row r + 32 (high)
-            shape = op.Constant(value_ints=[main // BLOCK_N, k, BLOCK_N // 2])
-            block = op.Concat(op.Reshape(low, shape), op.Reshape(high, shape), axis=2)  # [blocks, k, 64]
+        if main:  # per block and input channel: block_n / 2 bytes, row r (low nibble), row r + block_n / 2 (high)
+            shape = op.Constant(value_ints=[main // block_n, k, block_n // 2])
+            block = op.Concat(op.Reshape(low, shape), op.Reshape(high, shape), axis=2)  # [blocks, k, block_n]
             parts.append(op.Reshape(op.Transpose(block, perm=[0, 2, 1]), op.Constant(value_ints=[main, k])))
         if tail:  # per input channel: rows 2j (low nibble) and 2j + 1 (high)
             shape = op.Constant(value_ints=[k, tail // 2, 1])

@@ -241,3 +241,14 @@ def test_not_a_decoder_is_refused(tmp_path: Path) -> None:
     assert not outcome.exported and "not an Opus decoder" in outcome.reason
     off = export_onnx(tiny_lm("llama"), None, {}, tmp_path, settings(onnx=False))
     assert not off.exported and "disabled" in off.reason
+
+
+@pytest.mark.parametrize("rows", [16, 80, 96, 256])
+def test_the_int4_kernel_layout_is_read_as_this_cpu_packs_it(rows: int) -> None:
+    """torch's CPU int4 packing blocks rows by four float vectors: 64 with AVX-512, 32 with AVX2."""
+    from opus.export.onnx_ops import _unpack_rows, kernel_block_rows
+
+    nibbles = torch.randint(0, 16, (rows, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(rows))
+    packed = torch._convert_weight_to_int4pack_for_cpu(nibbles, 1)
+    assert kernel_block_rows() in (64, 32, 16)
+    assert torch.equal(_unpack_rows(packed, kernel_block_rows()).to(torch.int32), nibbles)
