@@ -33,6 +33,7 @@ class _Capture:
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         self.inputs: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, torch.Tensor] = {}  # kept, not recomputed: one GEMM less per (layer, format)
         self.grads: dict[str, torch.Tensor] = {}
         self.hooks = [model.get_submodule(n).register_forward_hook(self._hook(n)) for n in names]
         # The graph starts at the embedding's output: gradients reach every activation, no weight needs one.
@@ -42,11 +43,13 @@ class _Capture:
     def _hook(self, name: str):  # noqa: ANN202
         def hook(_module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
             self.inputs[name] = args[0].detach().reshape(-1, args[0].shape[-1])
+            self.outputs[name] = out.detach().reshape(-1, out.shape[-1])
             out.register_hook(lambda g: self.grads.__setitem__(name, g.detach().reshape(-1, g.shape[-1])))
         return hook
 
     def clear(self) -> None:
         self.inputs.clear()
+        self.outputs.clear()
         self.grads.clear()
 
     def remove(self) -> None:
@@ -54,11 +57,13 @@ class _Capture:
             hook.remove()
 
 
-def _layer_score(layer: nn.Linear, fmt: str, x: torch.Tensor, grad: torch.Tensor, group_size: int) -> float:
+def _layer_score(layer: nn.Linear, fmt: str, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor,
+                 group_size: int) -> float:
     """Σ g·ΔY + ½ Σ g²·ΔY² for one layer in one format over one batch's tokens."""
     spec = FORMATS[fmt]
     weight = layer.weight.detach()
-    delta = F.linear(spec.fake_quant_input(x), spec.fake_quant_weight(weight, group_size)) - F.linear(x, weight)
+    bias = None if layer.bias is None else layer.bias.detach()
+    delta = F.linear(spec.fake_quant_input(x), spec.fake_quant_weight(weight, group_size), bias) - y
     g, d = grad.float(), delta.float()
     return float((g * d).sum() + 0.5 * (g.square() * d.square()).sum())
 
@@ -90,8 +95,8 @@ def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torc
                             continue
                         layer = model.get_submodule(n)
                         for fmt in fmts:
-                            totals[(n, fmt)] += _layer_score(layer, fmt, capture.inputs[n], capture.grads[n],
-                                                             group_size)
+                            totals[(n, fmt)] += _layer_score(layer, fmt, capture.inputs[n], capture.outputs[n],
+                                                             capture.grads[n], group_size)
     finally:
         capture.clear()
         capture.remove()

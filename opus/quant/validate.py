@@ -3,7 +3,8 @@
 The planner adds up kernel timings measured one GEMM at a time. Whatever those miss (the ops around
 the GEMMs, caches shared by the layers, the engine's own work) shows only when the whole model runs.
 So the plan stage builds the planned model and every uniform assignment that fits the same predicted
-budget (every free group, a tied lm_head included, in that format), runs each through the engine on
+budget (every free group, a tied lm_head included, in that format) and whose linear layers, as
+their kernels were timed, take no more than ``FAR_SLOWER`` times the plan's, runs each through the engine on
 the workload's shape in interleaved rounds and picks by the shared rule of ``opus.runtime.choose``: the
 fastest, unless others are within the noise margin of it; then the more accurate (lower predicted
 Δ cross-entropy), then the simpler (a uniform assignment before the per-layer plan).
@@ -34,12 +35,23 @@ from opus.runtime.engine import timed_generate
 
 Progress = Callable[[float, float, str], None]
 PLAN = "plan"
+# The rest of the model is the same in every contender, so linear layers this much slower than the
+# plan's cannot come out ahead: not worth timing (on a CPU without VNNI, uniform W8A8 prefilled 17×
+# slower than the plan and took half of a 135M model's plan stage to time).
+FAR_SLOWER = 2.0
 
 
-def uniform_alternatives(choices: list[GroupChoice], formats: list[str],
-                         limit: float) -> tuple[dict[str, dict[str, Candidate]], list[str]]:
+def kernel_ms(chosen: dict[str, Candidate]) -> float:
+    """An assignment's linear layers over the workload, as their kernels were timed (medians)."""
+    return sum(c.measured for c in chosen.values())
+
+
+def uniform_alternatives(choices: list[GroupChoice], formats: list[str], limit: float,
+                         planned: dict[str, Candidate] | None = None
+                         ) -> tuple[dict[str, dict[str, Candidate]], list[str]]:
     """Every candidate format applied to all free groups (float where its kernel cannot take a layer),
-    kept if its predicted cost fits ``limit``; and a note for each one that does not."""
+    kept if its predicted cost fits ``limit`` and, given the ``planned`` assignment, its kernels alone
+    are not ``FAR_SLOWER`` times the plan's; and a note for each one left out."""
     alternatives: dict[str, dict[str, Candidate]] = {}
     notes = []
     for fmt in formats:
@@ -48,10 +60,13 @@ def uniform_alternatives(choices: list[GroupChoice], formats: list[str],
             by_fmt = {c.fmt: c for c in group.candidates}
             chosen[group.name] = by_fmt[group.forced or (fmt if fmt in by_fmt else noop_name())]
         cost = sum(c.cost for c in chosen.values())
-        if cost <= limit:
-            alternatives[f"uniform {fmt}"] = chosen
-        else:
+        if cost > limit:
             notes.append(f"uniform {fmt} not measured: predicted over the budget ({cost:.4g} > {limit:.4g})")
+        elif planned is not None and kernel_ms(chosen) > FAR_SLOWER * kernel_ms(planned):
+            notes.append(f"uniform {fmt} not measured: its kernels alone take {kernel_ms(chosen):.4g} ms, "
+                         f"{kernel_ms(chosen) / kernel_ms(planned):.1f}× the plan's {kernel_ms(planned):.4g} ms")
+        else:
+            alternatives[f"uniform {fmt}"] = chosen
     return alternatives, notes
 
 
@@ -114,7 +129,7 @@ def check_end_to_end(float_model: nn.Module, choices: list[GroupChoice], planned
                      ) -> tuple[dict[str, Candidate], dict[str, Any], list[str], Decision | None]:
     """``(chosen, report, notes, decision)``: the per-layer plan, or the uniform assignment the
     shared rule picks over it (``decision`` is None when nothing but the plan was left to time)."""
-    alternatives, notes = uniform_alternatives(choices, formats, limit)
+    alternatives, notes = uniform_alternatives(choices, formats, limit, planned)
     contenders = {PLAN: planned}
     for name, chosen in alternatives.items():
         if chosen == planned:

@@ -199,6 +199,13 @@ def test_uniform_alternatives_respect_budget_rules_and_kernels() -> None:
     assert "uniform w4a16" not in alternatives and "over the budget" in notes[0]
     loose, _ = uniform_alternatives(groups, ["w4a16"], limit=1.0)
     assert {g: c.fmt for g, c in loose["uniform w4a16"].items()} == {"a": "w4a16", "b": "fp32", "r": "fp32"}
+    # Given the plan, an alternative whose kernels alone take over twice the plan's is not timed.
+    slow = [_group("a", 10.0, {"w8a8": (3.0, 0.010), "w4a16": (40.0, 0.001)}),
+            _group("b", 10.0, {"w8a8": (3.0, 0.002), "w4a16": (4.0, 0.001)}), groups[2]]
+    plan = {g.name: next(c for c in g.candidates if c.fmt == ("fp32" if g.name == "r" else "w8a8"))
+            for g in slow}  # 3 + 3 + 1 (forced fp32) ms
+    kept, why = uniform_alternatives(slow, ["w8a8", "w4a16"], limit=1.0, planned=plan)
+    assert list(kept) == ["uniform w8a8"] and "6.4× the plan's 7 ms" in why[0], why
 
 
 def test_workload_prompts_cut_from_calibration_text() -> None:
