@@ -105,7 +105,7 @@ class BenchContext:
 class Contender:
     name: str  # what --only selects
     label: str  # one line: what runs
-    family: str  # torch | transformers | onnxruntime | llama.cpp
+    family: str  # torch | transformers | onnxruntime | openvino | llama.cpp
     build: Callable[[BenchContext], Built]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from opus.bench import hf_contender, llamacpp, onnx_contenders, torch_contenders
+from opus.bench import hf_contender, llamacpp, onnx_contenders, openvino_contender, torch_contenders
 from opus.bench.core import BenchContext, Contender, Row, judge, once_units, resident_mb, round_units, ttft_requests
 from opus.bench.gguf import cache_root
 from opus.bench.rounds import (
@@ -60,12 +60,14 @@ class BenchRequest:
 
 def all_contenders(user_gguf: bool) -> list[Contender]:
     return [*torch_contenders.CONTENDERS, *hf_contender.CONTENDERS, *onnx_contenders.CONTENDERS,
+            *openvino_contender.CONTENDERS,
             *llamacpp.contenders(user_gguf), torch_contenders.OPUS_RUN]
 
 
 def select(contenders: list[Contender], only: list[str] | None) -> list[Contender]:
     """The baseline always (every ratio needs it), plus what ``only`` names: a contender, its prefix
-    (``llama`` → llama-f16, llama-q8_0) or its family (torch, transformers, onnxruntime, llama.cpp)."""
+    (``llama`` → llama-f16, llama-q8_0) or its family (torch, transformers, onnxruntime, openvino,
+    llama.cpp)."""
     if not only:
         return contenders
     def chosen(c: Contender, token: str) -> bool:

@@ -23,7 +23,7 @@ from opus.pipeline.spec import load_pipeline
 from tests.bench.project import make_project
 
 EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "compile", "hf", "onnx-fp32",
-         "onnx-int8", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan", "opus"]
+         "onnx-int8", "ov-fp32", "ov-int8", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan", "opus"]
 SPEED = ("throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity")
 
 
@@ -59,7 +59,8 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
     assert base["metrics"]["agreement"] == 1.0
     assert report["budget"] == {"value": 0.05, "source": "stage 'check' gate perplexity.max_increase"}
     assert report["machine"]["cpu"] and "load_after" in report["machine"]  # what the figures were measured on
-    for name in ("bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "hf", "onnx-fp32", "onnx-int8"):
+    for name in ("bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "hf", "onnx-fp32", "onnx-int8",
+                 "ov-fp32", "ov-int8"):
         row = rows[name]
         assert row["status"] == "ok", (name, row["reason"])
         assert row["metrics"]["throughput_tok_s"] > 0 and row["metrics"]["perplexity"] > 0
@@ -77,6 +78,10 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
     assert rows["onnx-fp32"]["ratios"]["perplexity"] == pytest.approx(1.0, abs=1e-4)
     assert rows["onnx-fp32"]["metrics"]["agreement"] == 1.0
     assert any("without a KV cache" in note for note in rows["onnx-fp32"]["notes"])
+    # OpenVINO on the exported KV-cache graph, its state kept in the infer request: the fp32 model's figures.
+    assert rows["ov-fp32"]["ratios"]["perplexity"] == pytest.approx(1.0, abs=1e-4)
+    assert rows["ov-fp32"]["metrics"]["agreement"] == 1.0
+    assert rows["ov-int8"]["metrics"]["model_mb"] < 0.5 * rows["ov-fp32"]["metrics"]["model_mb"]
     assert "C++ compiler" in rows["compile"]["reason"]
     assert all("llama-cpp-python is not installed" in rows[n]["reason"] for n in ("llama-f16", "llama-q8_0",
                                                                                     "llama-q4_0", "llama-plan"))
