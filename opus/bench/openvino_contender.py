@@ -20,6 +20,7 @@ import importlib.util
 import io
 import logging
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -111,7 +112,9 @@ def _export(ctx: BenchContext) -> dict[str, Any]:
     for graph in GRAPHS:
         paths[graph] = ctx.work_dir / "openvino" / graph / "model.onnx"
         paths[graph].parent.mkdir(parents=True, exist_ok=True)
-        export_graph(model, paths[graph], geo, last_only=graph == "last")
+        with warnings.catch_warnings():  # the exporter's note on merged axis names, once per graph
+            warnings.filterwarnings("ignore", message="# The axis name", category=UserWarning)
+            export_graph(model, paths[graph], geo, last_only=graph == "last")
     ctx.shared["openvino-onnx"] = {"paths": paths, "geo": geo, "seconds": time.perf_counter() - started}
     return ctx.shared["openvino-onnx"]
 
