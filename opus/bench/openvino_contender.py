@@ -39,9 +39,6 @@ class OvSession:
     def __init__(self) -> None:
         self.seq_len = 0
 
-    def reset(self) -> None:
-        self.seq_len = 0
-
 
 class StatefulGraph:
     """One compiled stateful graph and its infer request; ``run`` starts a new sequence at position 0."""
@@ -73,9 +70,9 @@ class StatefulGraph:
 class OvLM(nn.Module):
     """Two stateful OpenVINO graphs behind the engine's LM interface."""
 
-    def __init__(self, last: StatefulGraph, full: StatefulGraph, vocab_size: int) -> None:
+    def __init__(self, last: StatefulGraph, full: StatefulGraph) -> None:
         super().__init__()
-        self.last, self.full, self.vocab_size = last, full, vocab_size
+        self.last, self.full = last, full
 
     def forward(self, input_ids: torch.Tensor, cache: OvSession | None = None, start_pos: int = 0,
                 last_only: bool = False) -> torch.Tensor:
@@ -155,7 +152,7 @@ def _compile(ctx: BenchContext, int8: bool) -> tuple[OvLM, list[str], float]:
     if int8:
         notes.append(f"nncf {nncf.__version__} compress_weights INT8_ASYM (int8 weights per output channel, "
                      f"float activations; optimum-intel's --weight-format int8) in {compress_s:.1f} s")
-    return OvLM(graphs["last"], graphs["full"], geo["vocab_size"]), notes, weights_mb
+    return OvLM(graphs["last"], graphs["full"]), notes, weights_mb
 
 
 def _constant_mb(model: Any) -> float:
