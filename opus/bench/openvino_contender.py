@@ -150,7 +150,8 @@ def _compile(ctx: BenchContext, int8: bool) -> tuple[OvLM, list[str], float]:
     hint = graphs["last"].compiled.get_property("INFERENCE_PRECISION_HINT")
     precision = hint.to_string() if hasattr(hint, "to_string") else str(hint)
     notes = [f"OpenVINO {ov.get_version().split('-')[0]} CPU, {ctx.threads} threads, inference precision "
-             f"{precision} (asked for; its default is bf16 where the CPU has AVX-512 BF16 or AMX); stateful KV cache (kept inside the infer request), Opus's KV-cache ONNX export "
+             f"{precision} (asked for; its default is bf16 where the CPU has AVX-512 BF16 or AMX); stateful "
+             f"KV cache (kept inside the infer request), Opus's KV-cache ONNX export "
              f"({exported['seconds']:.1f} s for both graphs)"]
     if int8:
         notes.append(f"nncf {nncf.__version__} compress_weights INT8_ASYM (int8 weights per output channel, "
