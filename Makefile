@@ -22,8 +22,11 @@ demo: $(BIN)/opus
 smoke: $(BIN)/opus
 	$(BIN)/opus run pipelines/smoke.yaml
 
+# Two workers (pytest-xdist): the suite's work is mostly one-threaded tiny models, so two cores take
+# it in about half the time; the smoke run's users and the Ray tests each stay on one worker (conftest).
+TEST_WORKERS ?= 2
 test: $(BIN)/opus
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 lint: $(BIN)/opus
 	$(BIN)/ruff check opus stages tests examples bench

@@ -11,6 +11,10 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # make test runs two xdist workers on a 2-core machine: one thread each (and in the runs they
+    # start), or the two OpenMP pools spin against each other on the same cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,3 +43,14 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> SmokeRun:
     from tests.pty_helpers import run_smoke
 
     return run_smoke(tmp_path_factory.mktemp("smoke") / "smoke")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """With ``-n 2`` (make test), keep on one xdist worker what must not be done twice or at once:
+    the session's smoke run (computed once, by the worker that runs its users) and the Ray tests
+    (each starts a local cluster sized to the machine)."""
+    # Marked as each item is collected: xdist reads the groups in its collection_modifyitems.
+    if "smoke_run" in getattr(item, "fixturenames", ()):
+        item.add_marker(pytest.mark.xdist_group("smoke"))
+    elif "tests/cluster/" in item.nodeid:
+        item.add_marker(pytest.mark.xdist_group("ray"))
