@@ -68,14 +68,19 @@ class LoadedModel:
     tokenizer: Any
     state: dict[str, Any]
     path: Path
+    eager: bool = False
     _factory: Any = field(default=None, repr=False)
 
     @property
     def kv_cache(self) -> dict[str, Any] | None:
-        """The KV cache the run chose (its ``kv_cache`` recipe step), or None: the growing cache."""
+        """The KV cache the run chose (its ``kv_cache`` recipe step), or None: the growing cache; with
+        ``eager``, the same cache with its decode steps run eagerly (no compile)."""
         from opus.kv.cache import cache_config_from_recipe
 
-        return cache_config_from_recipe(self.state.get("recipe"))
+        config = cache_config_from_recipe(self.state.get("recipe"))
+        if self.eager and config and config.get("compile"):
+            config = {**config, "compile": False}
+        return config
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True) -> str | list[str]:
@@ -131,13 +136,15 @@ class LoadedModel:
         return out
 
 
-def load(path: str | Path, device: str | None = None) -> LoadedModel:
+def load(path: str | Path, device: str | None = None, eager: bool = False) -> LoadedModel:
     """The model of an export directory, or of a run directory: its last export stage's export, else its
     final checkpoint (the last kept stage's model state). ``device``: default the one it was made for.
+    ``eager``: decode steps run eagerly whatever the run chose (as ``opus serve --eager``): no compile
+    for each new batch or length, slower steps.
 
     Not a directory of either kind, or a run with nothing kept yet: ``InputError``.
     """
     from opus.export.loading import load_made
 
     loaded, origin = load_made(Path(path), device)
-    return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, origin)
+    return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, origin, eager)

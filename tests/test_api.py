@@ -162,3 +162,14 @@ def test_load_a_run_without_export_gives_its_final_checkpoint(tmp_path: Path) ->
         assert not torch.equal(lm.model(torch.tensor([ids])), tiny_llama()(torch.tensor([ids])))  # scaled
     with pytest.raises(InputError, match="no tokenizer"):
         lm.generate("text")
+
+
+def test_eager_load_runs_the_chosen_cache_without_compiling() -> None:
+    from opus.api import LoadedModel
+    from opus.kv.cache import kv_cache_step
+
+    static = {"kind": "static", "provider": "opus.kv.static", "compile": True, "slot_multiple": 128}
+    state = {"recipe": [{"kind": "fuse"}, kv_cache_step(static)]}
+    assert LoadedModel(None, None, state, Path("x")).kv_cache == static
+    assert LoadedModel(None, None, state, Path("x"), eager=True).kv_cache == {**static, "compile": False}
+    assert LoadedModel(None, None, {"recipe": []}, Path("x"), eager=True).kv_cache is None

@@ -47,7 +47,7 @@ def server(smoke_run, tmp_path_factory):
 def reference(smoke_run):
     import opus
 
-    return opus.load(smoke_run.run_dir)
+    return opus.load(smoke_run.run_dir, eager=True)  # as the server runs (--eager): no compile per prompt shape
 
 
 def _client(server: Server) -> openai.OpenAI:
