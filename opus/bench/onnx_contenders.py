@@ -10,10 +10,12 @@ and all-position logits (perplexity, teacher-forced agreement).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,22 @@ class OrtLM(nn.Module):
         return logits if last_only else logits[:, -input_ids.shape[1]:]
 
 
+
+@contextlib.contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """torch.onnx's notes kept off the bench's console: "torchvision is not installed" (logged once per
+    export), its FutureWarnings and the note on merged axis names (once per graph)."""
+    exporter_log = logging.getLogger("torch.onnx")
+    level = exporter_log.level
+    exporter_log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.filterwarnings("ignore", message="# The axis name", category=UserWarning)
+            yield
+    finally:
+        exporter_log.setLevel(level)
+
 def _files_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.parent.glob(f"{path.name}*")) / 2**20
 
@@ -83,18 +101,11 @@ def _export(ctx: BenchContext) -> dict[str, Any]:
     out = ctx.work_dir / "onnx"
     started = time.perf_counter()
     paths = {}
-    exporter_log = logging.getLogger("torch.onnx")
-    level = exporter_log.level
-    exporter_log.setLevel(logging.ERROR)  # e.g. "torchvision is not installed", once per export
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            for graph in GRAPHS:
-                (out / graph).mkdir(parents=True, exist_ok=True)
-                paths[graph] = out / graph / "model.onnx"
-                export_onnx(LogitsOnly(model, graph == "last").eval(), paths[graph], example)
-    finally:
-        exporter_log.setLevel(level)
+    with quiet_exporter():
+        for graph in GRAPHS:
+            (out / graph).mkdir(parents=True, exist_ok=True)
+            paths[graph] = out / graph / "model.onnx"
+            export_onnx(LogitsOnly(model, graph == "last").eval(), paths[graph], example)
     ctx.shared["onnx"] = {"paths": paths, "seconds": time.perf_counter() - started}
     return ctx.shared["onnx"]
 

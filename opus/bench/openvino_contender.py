@@ -20,7 +20,6 @@ import importlib.util
 import io
 import logging
 import time
-import warnings
 from typing import Any
 
 import numpy as np
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from opus.bench.core import BenchContext, Built, Contender, Unavailable
+from opus.bench.onnx_contenders import quiet_exporter
 
 GRAPHS = ("last", "full")
 MISSING = "OpenVINO or NNCF is not installed (pip install 'opus[openvino]')"
@@ -109,8 +109,7 @@ def _export(ctx: BenchContext) -> dict[str, Any]:
     for graph in GRAPHS:
         paths[graph] = ctx.work_dir / "openvino" / graph / "model.onnx"
         paths[graph].parent.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():  # the exporter's note on merged axis names, once per graph
-            warnings.filterwarnings("ignore", message="# The axis name", category=UserWarning)
+        with quiet_exporter():
             export_graph(model, paths[graph], geo, last_only=graph == "last")
     ctx.shared["openvino-onnx"] = {"paths": paths, "geo": geo, "seconds": time.perf_counter() - started}
     return ctx.shared["openvino-onnx"]
