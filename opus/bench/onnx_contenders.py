@@ -66,7 +66,6 @@ class OrtLM(nn.Module):
         return logits if last_only else logits[:, -input_ids.shape[1]:]
 
 
-
 @contextlib.contextmanager
 def quiet_exporter() -> Iterator[None]:
     """torch.onnx's notes kept off the bench's console: "torchvision is not installed" (logged once per
@@ -81,6 +80,7 @@ def quiet_exporter() -> Iterator[None]:
             yield
     finally:
         exporter_log.setLevel(level)
+
 
 def _files_mb(path: Path) -> float:
     return sum(p.stat().st_size for p in path.parent.glob(f"{path.name}*")) / 2**20
