@@ -227,8 +227,13 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     doc, decisions = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
     measured = doc["measured"]
     contenders = measured["contenders"]
-    same_as_plan = sum("is the per-layer plan itself" in n for n in doc["notes"])
-    assert "plan" in contenders and len(contenders) + same_as_plan == 3  # the plan and both uniform formats
+    # Each uniform format was timed, or a note says why not: it is the plan itself, or (on a CPU whose int8
+    # GEMMs are slow, such as one without VNNI) its kernels alone took over twice the plan's.
+    for fmt in request.formats:
+        name = f"uniform {fmt}"
+        why_not = (f"{name} is the per-layer plan itself", f"{name} not measured: its kernels alone")
+        assert name in contenders or any(n.startswith(why_not) for n in doc["notes"]), doc["notes"]
+    assert "plan" in contenders and len(contenders) >= 2, doc["notes"]  # something was checked end to end
     check = decisions[-1]
     for name, row in contenders.items():  # batch ms: the median over rounds of prefill + 3 decode steps
         assert row["batch_ms"] == round(check.medians[name], 2) and len(check.samples[name]) == request.rounds
