@@ -61,6 +61,9 @@ class Config(BaseModel):
     memory_budget_mb: float | None = Field(None, gt=0)
     include_growing: bool = True  # measure the growing cache too (and keep it if it wins)
     include_static: bool = True  # and the static cache with compiled decode steps (Opus decoders)
+    # And that cache with its prefill compiled too (padded to buckets): off by default, since each prompt
+    # bucket compiles a graph of the whole model (about a minute on K3) and on K3 it has not yet won.
+    include_static_prefill: bool = False
     static_slot_multiple: int = Field(128, gt=0)  # its slots: request length rounded up to this
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
@@ -140,7 +143,7 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
             return prefill + (output_len - 1) * step if output_len > 1 else prefill
 
         # Between caches equally fast within the noise: the one with less machinery (the kind says).
-        return Option(label, run, simplicity=_kind(row["cache"]).simplicity)
+        return Option(label, run, simplicity=_kind(row["cache"]).simplicity_of(_options(row["cache"])))
 
     options = [option(row) for row in rows]
     decision = decide(f"KV cache at batch {prompts.shape[0]}", options, rounds, warmup=warmup, timer=reported)

@@ -17,7 +17,9 @@ Execution modes (``EXPERT_MODES``), each chosen per phase (``prefill``: several 
   by expert, each projection one ``grouped_linear`` (``torch._grouped_mm`` where it runs, else one
   padded ``bmm``); quantized experts run their own kernels on their contiguous slice. Host syncs
   (counts, padded width): never compiled or captured, so under ``torch.compile``, export or CUDA-graph
-  capture it runs ``dense`` instead.
+  capture it runs ``dense`` instead. In a compiled prefill (opus.kv.static) it runs as one opaque
+  custom op (``opus::sorted_experts``), so the prompt keeps sparse routing instead of running every
+  expert on every token; a compiled decode step still runs ``dense``.
 * ``dense``: every expert on every token, weighted by the routing matrix (zero for experts a token did
   not pick). At decode batch sizes nearly every expert is hit anyway, so the weight bytes read — what
   bounds a decode step — are those of sparse routing, and the block is one GEMM for gate/up over all
@@ -34,6 +36,9 @@ linear class that registers its own rules is stacked too. Anything else is skipp
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +74,30 @@ def moe_reason(module: nn.Module) -> str | None:
 
 def _static_mode(x: torch.Tensor, mode: str) -> str:
     """The mode that runs: ``dense`` where shapes must not depend on the routing."""
-    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
-        return "dense"  # exporters and inductor want static shapes (and ONNX has no stable sort)
+    if torch.compiler.is_exporting():
+        return "dense"  # exporters want static shapes (and ONNX has no stable sort)
+    if torch.compiler.is_compiling():
+        return "sorted_op" if mode == "sorted" else "dense"  # inductor: static shapes, or one opaque op
     # isinstance: under fx tracing ``x`` is a Proxy, and the traced graph is eager code (no capture).
     if mode == "sorted" and isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return "dense"  # a CUDA graph cannot hold the sorted mode's host syncs
     return mode
+
+
+_EXPERTS: weakref.WeakValueDictionary[int, GroupedExperts] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("opus::sorted_experts", mutates_args=())
+def sorted_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, handle: int) -> torch.Tensor:
+    """The sorted mode of the GroupedExperts registered as ``handle``, as one op a compiled graph calls
+    (its host syncs and routing-sized shapes stay inside, where inductor never sees them)."""
+    return _EXPERTS[handle].sorted(x, chosen, weights)
+
+
+@sorted_experts.register_fake
+def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, handle: int) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 class GroupedExperts(nn.Module):
@@ -82,6 +105,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.top_k = gate_up, down, top_k
         self.num_experts = gate_up.num_experts
+        self.handle = next(_HANDLES)  # how opus::sorted_experts finds these experts
+        _EXPERTS[self.handle] = self
 
     @property
     def quantized(self) -> bool:
@@ -107,6 +132,8 @@ class GroupedExperts(nn.Module):
         mode = _static_mode(x, mode)
         if mode == "dense":
             return self.dense(x, chosen, weights)
+        if mode == "sorted_op":
+            return sorted_experts(x, chosen, weights, self.handle)
         if mode == "grouped":
             reason = self.mode_reason(mode)
             if reason:
@@ -213,7 +240,10 @@ class GroupedMoE(nn.Module):
         """``mode`` overrides the phase's chosen mode (the static runner picks per call)."""
         shape = x.shape
         if mode is None:  # one token per row: a decode step ([B, 1, H] from the decoder layer)
-            mode = "dense" if self.dense else self.modes["decode" if x.dim() == 3 and shape[1] == 1 else "prefill"]
+            phase = "decode" if x.dim() == 3 and shape[1] == 1 else "prefill"
+            mode = "dense" if self.dense else self.modes[phase]
+            if phase == "decode" and torch.compiler.is_compiling():
+                mode = "dense"  # a compiled decode step keeps the static dense experts it was measured with
         x = x.reshape(-1, shape[-1])
         weights, chosen = self.route(x)
         out = self.experts.run(x, chosen, weights, mode)

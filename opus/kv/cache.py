@@ -51,6 +51,10 @@ class KVCache(Protocol):
     # slot and the step's positions as a tensor (a compiled step never specializes on the position).
     mask: torch.Tensor | None
     positions: torch.Tensor | None
+    # True: a prefill from position 0 goes to ``prefill_step`` (opus.kv.static compiles it padded to a
+    # bucket); ``last_index`` is set only on the view that step passes: where the last real token is.
+    prefills_itself: bool
+    last_index: torch.Tensor | None
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v`` ([B, H, T, D]) for ``layer``; return everything stored for it ([B, H, S, D])."""
@@ -69,16 +73,25 @@ class KVCache(Protocol):
         """Logits ``[B, 1, V]`` of one token per row at ``start_pos``; called only if ``decodes_itself``."""
         ...
 
+    def prefill_step(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, 1, V]`` of the prompt's last token from position 0; called only if ``prefills_itself``."""
+        ...
+
 
 class CacheBase:
     """The protocol's optional hooks with their defaults: a subclass writes update, seq_len and reset."""
 
     decodes_itself: ClassVar[bool] = False
+    prefills_itself: bool = False
     mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    last_index: torch.Tensor | None = None
 
     def decode_step(self, model: torch.nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not run decode steps (decodes_itself is False)")
+
+    def prefill_step(self, model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not run prefills (prefills_itself is False)")
 
 
 @dataclass(frozen=True)
@@ -182,6 +195,10 @@ class KindBase:
 
     def describe(self, options: dict[str, Any]) -> str:
         return self.name
+
+    def simplicity_of(self, options: dict[str, Any]) -> int:
+        """The rank of one config of this kind (a kind's options may add machinery)."""
+        return self.simplicity
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         return []

@@ -16,6 +16,14 @@ and ``mask``) inside ``torch.compile``. Prefill runs eagerly through ``update`` 
 slots in place and returns views of the filled ones). ``compile: false`` runs the same masked step
 eagerly; a compile failure (no C++ compiler, an op inductor cannot lower) falls back to that too,
 once per model, and says why in ``notes``.
+
+``compile_prefill: true`` compiles the prefill as well (``prefills_itself``). Its shapes are made
+static by padding the prompt to a bucket (the next power of two, at least ``MIN_PREFILL_BUCKET``,
+at most the slots): the padded tokens come after the real ones, so causal attention keeps them out
+of every real token's view, and the slots they fill lie beyond the cache's length, where decode steps
+overwrite them before the mask lets anything see them. The logits are those of the last *real*
+token (``PrefillView.last_index``). One graph per (batch, bucket, slots); a compile failure runs the
+same padded prefill eagerly, with the reason in ``notes``.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kin
 KIND = "static"
 PROVIDER = "opus.kv.static"
 DEFAULT_SLOT_MULTIPLE = 128
+MIN_PREFILL_BUCKET = 16
 Step = Callable[..., torch.Tensor]
 _STEPS: weakref.WeakKeyDictionary[nn.Module, Step] = weakref.WeakKeyDictionary()
+_PREFILLS: weakref.WeakKeyDictionary[nn.Module, Step] = weakref.WeakKeyDictionary()
 _SERIAL = itertools.count()
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
 
@@ -43,6 +53,11 @@ NOTES: list[str] = []  # compile fallbacks of this process, one line each
 def slots_for(tokens: int, slot_multiple: int) -> int:
     """Slots a request of ``tokens`` positions gets: rounded up to whole ``slot_multiple``s."""
     return -(-tokens // slot_multiple) * slot_multiple
+
+
+def prefill_bucket(tokens: int, slots: int) -> int:
+    """The padded length a compiled prefill of ``tokens`` runs at: a power of two, within ``slots``."""
+    return min(slots, max(MIN_PREFILL_BUCKET, 1 << (tokens - 1).bit_length()))
 
 
 def max_batch(budget_bytes: int, per_token_bytes: int, context_len: int, slot_multiple: int) -> int:
@@ -71,6 +86,23 @@ class DecodeView(CacheBase):
         return self.k[layer], self.v[layer]
 
 
+class PrefillView(CacheBase):
+    """What the model sees during a compiled prefill from position 0: the first ``length`` slots of
+    every layer (a static slice), causal attention, and the index of the last real token."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], length: int, last_index: torch.Tensor) -> None:
+        self.k, self.v, self.length = k, v, length
+        self.last_index: torch.Tensor | None = last_index
+        self._slots = torch.arange(length, device=last_index.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_copy_ into the whole graph input, not copy_ into a slice: the slice's write-back
+        # would copy every slot of the layer.
+        self.k[layer].index_copy_(2, self._slots, k)
+        self.v[layer].index_copy_(2, self._slots, v)
+        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
+
+
 class CompiledStaticKVCache(CacheBase):
     """Preallocated K/V for every layer; eager ``update`` for prefill, ``decode_step`` (one compiled
     graph, or the same step eagerly) for decoding."""
@@ -78,7 +110,7 @@ class CompiledStaticKVCache(CacheBase):
     decodes_itself = True
 
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
-                 slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> None:
+                 slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
@@ -88,6 +120,8 @@ class CompiledStaticKVCache(CacheBase):
         self.key_pos = torch.arange(slots, device=shape.device)
         self.position = torch.zeros(1, dtype=torch.long, device=shape.device)
         self.compile_decode = compile_decode
+        self.prefills_itself = compile_prefill
+        self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
         self._lens = [0] * int(shape.num_layers)
 
     @property
@@ -116,6 +150,20 @@ class CompiledStaticKVCache(CacheBase):
         self._lens = [start_pos + 1] * len(self._lens)
         return out
 
+    def prefill_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, 1, V]`` of the prompt's last token: the prompt padded to its bucket, compiled."""
+        if self.seq_len:
+            raise ValueError(f"prefill from position 0, but the static KV cache holds {self.seq_len}")
+        tokens = input_ids.shape[1]
+        self._check(tokens, input_ids.shape[0])
+        length = prefill_bucket(tokens, self.slots)
+        padded = torch.nn.functional.pad(input_ids, (0, length - tokens))  # token 0: never seen, overwritten
+        self._last.fill_(tokens - 1)
+        prefill = compiled_prefill(model) if self.compile_decode else eager_prefill(model)  # compile: false
+        out = prefill(padded, self._last, self.k, self.v)
+        self._lens = [tokens] * len(self._lens)
+        return out
+
     def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
         step = compiled_step(model) if self.compile_decode else eager_step(model)
@@ -142,12 +190,30 @@ def eager_step(model: nn.Module) -> Step:
     return step
 
 
+def eager_prefill(model: nn.Module) -> Step:
+    def prefill(ids: torch.Tensor, last_index: torch.Tensor, k: list[torch.Tensor],
+                v: list[torch.Tensor]) -> torch.Tensor:
+        return model(ids, cache=PrefillView(k, v, ids.shape[1], last_index), start_pos=0, last_only=True)
+
+    return prefill
+
+
 def compiled_step(model: nn.Module) -> Step:
     """The model's decode step compiled (once per model; inductor recompiles per batch and slot count)."""
-    step = _STEPS.get(model)
+    return _compiled(model, _STEPS, eager_step, "decode step")
+
+
+def compiled_prefill(model: nn.Module) -> Step:
+    """The model's padded prefill compiled (once per model; recompiled per batch, bucket and slot count)."""
+    return _compiled(model, _PREFILLS, eager_prefill, "prefill")
+
+
+def _compiled(model: nn.Module, steps: weakref.WeakKeyDictionary[nn.Module, Step],
+              eager: Callable[[nn.Module], Step], what: str) -> Step:
+    step = steps.get(model)
     if step is None:
-        step = _with_fallback(model, compile_step(eager_step(model)))
-        _STEPS[model] = step
+        step = _with_fallback(model, compile_step(eager(model)), steps, eager, what)
+        steps[model] = step
     return step
 
 
@@ -171,17 +237,17 @@ def _own_code(fn: Step) -> Step:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _with_fallback(model: nn.Module, compiled: Step) -> Step:
+def _with_fallback(model: nn.Module, compiled: Step, steps: weakref.WeakKeyDictionary[nn.Module, Step],
+                   eager: Callable[[nn.Module], Step], what: str) -> Step:
     """``compiled``, or — if compiling fails — the eager step from then on, with the reason in NOTES."""
     def step(*args: Any) -> torch.Tensor:
         try:
             return compiled(*args)
         except Exception as exc:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower
-            NOTES.append(f"{type(model).__name__}: decode step not compiled, runs eagerly: "
+            NOTES.append(f"{type(model).__name__}: {what} not compiled, runs eagerly: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            eager = eager_step(model)
-            _STEPS[model] = eager
-            return eager(*args)
+            steps[model] = eager(model)
+            return steps[model](*args)
 
     return step
 
@@ -208,23 +274,31 @@ def decoder_reason(model: nn.Module) -> str | None:
 
 class _StaticKind(KindBase):
     name, provider, simplicity = KIND, PROVIDER, 2
-    OPTIONS = ("compile", "slot_multiple")
+    OPTIONS = ("compile", "slot_multiple", "compile_prefill")
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         self.check_options(options)
-        return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options))
+        return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options),
+                                     bool(options.get("compile_prefill", False)))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # The context rounded up to whole slot multiples, allocated at once.
         return max_batch(budget_bytes, per_token_bytes, context_len, slot_multiple_of(options))
 
     def describe(self, options: dict[str, Any]) -> str:
-        return "static, compiled decode" if options.get("compile", True) else "static"
+        compiled = [what for what, key, default in (("prefill", "compile_prefill", False), ("decode", "compile", True))
+                    if options.get(key, default)]
+        return f"static, compiled {' and '.join(compiled)}" if compiled else "static"
+
+    def simplicity_of(self, options: dict[str, Any]) -> int:
+        return self.simplicity + bool(options.get("compile_prefill"))
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         if not settings.get("include_static", True):
             return []
-        return [cache_config(True, int(settings.get("static_slot_multiple", DEFAULT_SLOT_MULTIPLE)))]
+        multiple = int(settings.get("static_slot_multiple", DEFAULT_SLOT_MULTIPLE))
+        prefill = [cache_config(True, multiple, True)] if settings.get("include_static_prefill", False) else []
+        return [cache_config(True, multiple), *prefill]
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
         return decoder_reason(model)
@@ -233,5 +307,7 @@ class _StaticKind(KindBase):
 STATIC = register_kind(_StaticKind())
 
 
-def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE) -> dict[str, Any]:
-    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple)
+def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
+                 compile_prefill: bool = False) -> dict[str, Any]:
+    prefill = {"compile_prefill": True} if compile_prefill else {}  # absent: the configs of old stay as they were
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill)

@@ -111,6 +111,13 @@ def cache_mask(cache: object | None) -> torch.Tensor | None:
 
 
 @torch.fx.wrap
+def last_position(h: torch.Tensor, cache: object | None) -> torch.Tensor:
+    """``h [B, T, H]`` at its last position, or where a padded prefill's view says the last real token is."""
+    index = None if cache is None else cache.last_index  # type: ignore[attr-defined]
+    return h[:, -1:, :] if index is None else h.index_select(1, index)
+
+
+@torch.fx.wrap
 def window_guard(k: torch.Tensor, window: int) -> torch.Tensor:
     """``k`` as it is, when attention sees no more keys than the sliding window; else an error.
 
@@ -305,6 +312,8 @@ class DecoderLM(nn.Module):
             # (cache first: fx traces cache=None.) A static cache runs decode steps itself, as one
             # compiled graph (opus.kv.static) or one captured CUDA graph (opus.kv.cuda_graph).
             return cache.decode_step(self, input_ids, start_pos)  # type: ignore[attr-defined]
+        if cache is not None and cache.prefills_itself and start_pos == 0 and last_only:  # type: ignore[attr-defined]
+            return cache.prefill_step(self, input_ids)  # type: ignore[attr-defined]
         h = self.model.embed_tokens(input_ids)
         if self.config.embed_scale:
             h = scale_embedding(h, self.config.hidden_size**0.5)
@@ -324,6 +333,6 @@ class DecoderLM(nn.Module):
                 h = layer(h, cos_local, sin_local, cache, causal)
             else:
                 h = layer(h, cos, sin, cache, causal)
-        if last_only:
-            h = h[:, -1:, :]  # the lm_head is the biggest GEMM of a prefill: skip unused positions
+        if last_only:  # the lm_head is the biggest GEMM of a prefill: skip unused positions
+            h = last_position(h, cache)
         return self.lm_head(self.model.norm(h))

@@ -151,3 +151,81 @@ def test_each_model_runs_its_own_compiled_step(monkeypatch):
         got = generate(model, ids, 5, cache_factory(model, cache_config(True)), return_logits=True)
         assert torch.allclose(got.logits, want.logits, atol=1e-4), seed
     assert static_cache.NOTES == []
+
+
+def test_prefill_buckets_are_powers_of_two_within_the_slots():
+    from opus.kv.static import MIN_PREFILL_BUCKET, prefill_bucket
+
+    assert [prefill_bucket(t, 256) for t in (1, 16, 17, 100, 128, 129)] == [MIN_PREFILL_BUCKET, 16, 32, 128, 128, 256]
+    assert prefill_bucket(200, 208) == 208  # never past the cache's slots
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2_moe"])
+def test_a_padded_prefill_gives_the_growing_caches_logits(family):
+    model = tiny_lm(family)
+    ids = prompts(2, 10)  # padded to 16: the padding must change nothing
+    want = generate(model, ids, 6, cache_factory(model), return_logits=True)
+    config = cache_config(compile_decode=False, slot_multiple=16, compile_prefill=True)
+    cache = cache_factory(model, config)(2, 16)
+    assert cache.prefills_itself
+    got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+    with torch.inference_mode():
+        model(ids, cache=cache, start_pos=0, last_only=True)
+        with pytest.raises(ValueError, match="prefill from position 0, but the static KV cache holds 10"):
+            model(ids, cache=cache, start_pos=0, last_only=True)
+
+
+def test_the_compiled_prefill_is_a_candidate_only_when_asked_for():
+    from opus.kv.cache import describe_cache
+    from opus.kv.static import STATIC
+
+    assert [describe_cache(c) for c in STATIC.candidates({})] == ["static, compiled decode"]
+    both = STATIC.candidates({"include_static_prefill": True})
+    assert [describe_cache(c) for c in both] == ["static, compiled decode", "static, compiled prefill and decode"]
+    assert [STATIC.simplicity_of(c) for c in both] == [2, 3]  # a tie goes to the cache with less machinery
+
+
+@needs_cxx
+@torch.no_grad()
+def test_a_compiled_prefill_keeps_sorted_experts_and_gives_the_eager_tokens(monkeypatch):
+    """Fused int8 MoE: the prompt padded to its bucket, the sorted experts one opaque op in the graph."""
+    from tiny import blocks, tiny_decoder
+
+    from opus.fusion import FusionConfig, fuse_model, lm_probe
+    from opus.fusion.moe import grouped_moes
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+    from opus.quant.formats.w8a8 import int8_activations_at_every_size
+
+    model = tiny_decoder("mixtral", seed=4)
+    data = blocks(2, 16)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith(".gate")]
+    quantize_model(model, dict.fromkeys(names, "w8a8"), collect_stats(model, data), group_size=64)
+    model = fuse_model(model, FusionConfig(), lm_probe(data)).model
+    assert {m.modes["prefill"] for _, m in grouped_moes(model)} == {"sorted"}
+    ids = blocks(2, 11, seed=6)  # bucket 16
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    experts = type(grouped_moes(model)[0][1].experts)
+    real, sorted_calls = experts.sorted, []
+
+    def counted(self, *args):
+        sorted_calls.append(args[0].shape[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(experts, "sorted", counted)
+    # Padding gives an expert more rows, and below 17 rows W8A8 runs its weight-only branch: quantize
+    # activations at every size, so that both sides run the same kernels and padding alone is tested.
+    with int8_activations_at_every_size():
+        want = generate(model, ids, 6, cache_factory(model, cache_config(False)), return_logits=True)
+        sorted_calls.clear()  # the eager reference ran them too
+        got = generate(model, ids, 6, cache_factory(model, cache_config(True, compile_prefill=True)),
+                       return_logits=True)
+    assert static_cache.NOTES == []  # compiled, not the eager fallback
+    assert counters["unique_graphs"] - before == 2  # one prefill graph, one decode graph
+    assert sorted_calls  # the experts ran sorted inside the compiled graphs, not dense
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-4)
