@@ -1,0 +1,136 @@
+"""The static KV cache's compiled prefill against its eager prefill, side by side in one run.
+
+The model is quantized as a pipeline would (uniform ``--format``, SmoothQuant where the format takes
+it, opus.quant.apply) and fused (opus.fusion, every pattern; a MoE's experts grouped). Then, at
+batch 1 and at ``--batch``, three contenders run the same prompts in interleaved rounds (round robin,
+``--repeats`` timed rounds after one warm-up that also compiles):
+
+- ``fp32 eager``: the float model, growing KV cache (the baseline every ratio is against);
+- ``static, compiled decode``: the quantized model, decode steps compiled, prefill eager;
+- ``static, compiled prefill and decode``: the same with the prompt padded to its bucket and compiled.
+
+Per contender: median prefill ms (D at batch 1), median decode tokens/s, P (tokens of the batch over
+the whole generate), each as a ratio to fp32 eager in the same rounds, and the greedy tokens' match
+of the prefill's next token with the compiled-decode contender's and the largest difference of their
+prefill logits (the padding must change nothing; compiled int8 code may round differently). Compile
+seconds are printed apart and excluded. ``--format fp32`` leaves the weights float. A figure, not a test:
+
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/compiled_prefill.py --batch 32 --input-len 512 --output-len 128
+    HF_HUB_OFFLINE=1 .venv/bin/python bench/compiled_prefill.py --model /tmp/llama135m --batch 8 \\
+        --input-len 128 --output-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from opus.fusion import FusionConfig, fuse_model, lm_probe  # noqa: E402
+from opus.kv import static  # noqa: E402
+from opus.kv.cache import cache_factory  # noqa: E402
+from opus.models import load_model  # noqa: E402
+from opus.pipeline.spec import TextSetSpec  # noqa: E402
+from opus.quant.apply import quantize_model  # noqa: E402
+from opus.quant.calibrate import collect_stats  # noqa: E402
+from opus.runtime.data import load_blocks  # noqa: E402
+from opus.runtime.engine import generate  # noqa: E402
+from opus.runtime.machine import describe, recorded  # noqa: E402
+
+CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode")
+
+
+def optimized(base: torch.nn.Module, calib: torch.Tensor, fmt: str) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith(".gate")]
+    if fmt != "fp32":
+        quantize_model(model, dict.fromkeys(names, fmt), collect_stats(model, calib), group_size=64)
+    return fuse_model(model, FusionConfig(), lm_probe(calib[:1, :32])).model
+
+
+def rounds(runs: dict[str, Any], prompts: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, list[Any]]:
+    """Each contender once per round, round robin; the first round (compiles, first touch) is dropped."""
+    seen: dict[str, list[Any]] = {name: [] for name in runs}
+    for index in range(repeats + 1):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            result = run(prompts, new_tokens)
+            if index == 0:
+                print(f"  {name}: warm-up {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            else:
+                seen[name].append(result)
+    return seen
+
+
+def prefill_gap(model: torch.nn.Module, prompts: torch.Tensor, caches: list[dict[str, Any]]) -> tuple[float, float]:
+    """(share of rows whose next token agrees, largest |Δ logit| over the logits' largest |logit|)."""
+    first, second = (model(prompts, cache=cache_factory(model, c)(prompts.shape[0], prompts.shape[1] + 1),
+                           start_pos=0, last_only=True)[:, -1] for c in caches)
+    agree = float((first.argmax(-1) == second.argmax(-1)).float().mean())
+    return agree, float((first - second).abs().max() / first.abs().max())
+
+
+def figures(results: list[Any], batch: int, new_tokens: int) -> dict[str, float]:
+    return {"prefill_ms": statistics.median(r.ttft_s for r in results) * 1e3,
+            "decode_tok_s": statistics.median(batch * (new_tokens - 1) / r.decode_s for r in results),
+            "p_tok_s": statistics.median(batch * new_tokens / r.total_s for r in results)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="examples/k3/model")
+    parser.add_argument("--calib", default="examples/k3/data/calib/*.txt")
+    parser.add_argument("--eval", default="examples/k3/data/heldout/*.txt")
+    parser.add_argument("--format", default="w8a8")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+
+    base, tokenizer = load_model({"hf": args.model}, ROOT)
+    calib = load_blocks(TextSetSpec(files=[args.calib], samples=16, seq_len=256), tokenizer, ROOT)
+    prompts = load_blocks(TextSetSpec(files=[args.eval], samples=args.batch, seq_len=args.input_len), tokenizer,
+                          ROOT)
+    model = optimized(base, calib, args.format)
+    caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True)}
+    runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
+    for name, config in caches.items():
+        runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
+    table: dict[int, dict[str, dict[str, float]]] = {}
+    record: dict[str, Any] = {}
+    with recorded(record):
+        for batch in sorted({1, args.batch}):
+            seen = rounds(runs, prompts[:batch], args.output_len, args.repeats)
+            table[batch] = {name: figures(results, batch, args.output_len) for name, results in seen.items()}
+            agree, gap = prefill_gap(model, prompts[:batch], list(caches.values()))
+            table[batch][CONTENDERS[2]].update(agree=agree, gap=gap)
+    print(f"\n{describe(record['machine'])}")
+    print(f"{args.model}: {args.format} + fusion; input {args.input_len}, output {args.output_len}, "
+          f"{args.repeats} interleaved rounds, ratios to fp32 eager in the same rounds; "
+          f"threads {torch.get_num_threads()}")
+    if static.compile_notes():
+        print("compile fallbacks: " + "; ".join(static.compile_notes()))
+    print(f"{'contender':<38}{'batch':>6}{'prefill ms':>11}{'×':>6}{'decode tok/s':>13}{'×':>6}{'P tok/s':>9}{'×':>6}"
+          f"  prefill vs eager prefill: next token agrees, max |Δ logit|")
+    for batch, rows in table.items():
+        ref = rows[CONTENDERS[0]]
+        for name, row in rows.items():
+            same = f"{row['agree']:.3f}, {row['gap']:.1e}" if "gap" in row else ""
+            print(f"{name:<38}{batch:>6}{row['prefill_ms']:>11.1f}{row['prefill_ms'] / ref['prefill_ms']:>6.2f}"
+                  f"{row['decode_tok_s']:>13.1f}{row['decode_tok_s'] / ref['decode_tok_s']:>6.2f}"
+                  f"{row['p_tok_s']:>9.1f}{row['p_tok_s'] / ref['p_tok_s']:>6.2f}  {same}")
+
+
+if __name__ == "__main__":
+    main()
