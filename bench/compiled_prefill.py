@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from opus.errors import OpusError  # noqa: E402
 from opus.fusion import FusionConfig, fuse_model, lm_probe  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
@@ -98,7 +99,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
-    base, tokenizer = load_model({"hf": args.model}, ROOT)
+    try:
+        base, tokenizer = load_model({"hf": args.model}, ROOT)
+    except OpusError as exc:  # a wrong path or an unreadable model: one line, as the CLI says it
+        print(f"compiled_prefill: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
     calib = load_blocks(TextSetSpec(files=[args.calib], samples=16, seq_len=256), tokenizer, ROOT)
     prompts = load_blocks(TextSetSpec(files=[args.eval], samples=args.batch, seq_len=args.input_len), tokenizer,
                           ROOT)

@@ -79,7 +79,8 @@ class LoadedModel:
 
         config = cache_config_from_recipe(self.state.get("recipe"))
         if self.eager and config and config.get("compile"):
-            config = {**config, "compile": False, **({"compile_prefill": False} if "compile_prefill" in config else {})}
+            config = {**config, "compile": False}
+            config.pop("compile_prefill", None)  # nothing compiled, nothing padded
         return config
 
     def generate(self, prompt: str | list[str], max_new_tokens: int = 64, temperature: float = 0.0,
