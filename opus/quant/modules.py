@@ -96,7 +96,9 @@ class Int8WeightLinear(QuantLinear):
         return out
 
     def _weight_only_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":
+        # torch 2.13's CPU kernel reads past the weight when in_features is not a multiple of 16
+        # (measured: K = 8, 24, 40, 56, 72 returned garbage or crashed); such layers dequantize instead.
+        if x.device.type == "cpu" and self.in_features % 16 == 0:
             # A16: the CPU kernel is 10-30x faster with bf16 than with fp32 activations (measured).
             return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self._scale_bf16).to(x.dtype)
         # CUDA has no int8-weight GEMM in torch: convert in the GEMM's prologue (int8 storage).
