@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.fusion.moe import EXPERT_MODES
 from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Failure
@@ -66,7 +67,7 @@ class Compile(Strict):
 class Experts(Strict):
     """The grouped MoE's execution mode per phase (opus.fusion.moe), measured on the pipeline's device."""
     choose: bool = True  # False: the default modes (sorted), nothing timed
-    modes: list[str] = Field(default_factory=lambda: ["sorted", "dense", "grouped"])
+    modes: list[str] = Field(default_factory=lambda: list(EXPERT_MODES))
     rounds: int = Field(DEFAULT_ROUNDS, ge=1)  # interleaved timing rounds per phase
     decode_batch: int | None = Field(None, gt=0)  # rows of the timed decode step; None: the workload's batch
 

@@ -2,7 +2,8 @@
 
 ``decide_expert_modes`` takes a fused model (its ``GroupedMoE`` modules, ``opus.fusion.moe``), lists
 the modes every one of them can run on the model's device (``sorted`` and ``dense`` everywhere,
-``grouped`` where ``torch._grouped_mm`` runs for float experts) and the others with the reason, checks
+``grouped`` where ``torch._grouped_mm`` runs for float experts, ``compiled`` on CPU for float and
+W8A8 experts) and the others with the reason, checks
 that each runnable mode computes what ``sorted`` computes, then times them with the shared rule of
 ``opus.runtime.choose``: a prefill of the prompts, and a decode step at the decode batch. The winner
 of each phase is set on every GroupedMoE and recorded (``ExpertChoice.record()`` in fusion.json, its
@@ -23,8 +24,8 @@ from opus.fusion.moe import DEFAULT_MODES, EXPERT_MODES, PHASES, grouped_moes, s
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported, run_relative, wall_clock
 
 # A tie within the noise goes to the simpler: the sorted mode (what ran before modes were chosen), then
-# dense (plain GEMMs), then grouped (a private torch op).
-SIMPLICITY = {"sorted": 0, "dense": 1, "grouped": 2}
+# dense (plain GEMMs), then grouped (a private torch op), then compiled (an inductor compile per process).
+SIMPLICITY = {"sorted": 0, "dense": 1, "grouped": 2, "compiled": 3}
 WHAT = {"prefill": "MoE experts mode at prefill", "decode": "MoE experts mode at decode"}
 
 

@@ -15,9 +15,14 @@ A mix of classes (some experts quantized, some not) never merges.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from opus.quant.modules import Kernel
 
 Concat = Callable[[list[nn.Module]], "nn.Module | str"]
 Stacker = Callable[[list[nn.Module]], "nn.Module | str"]
@@ -103,6 +108,10 @@ class StackedLinear(nn.Module):
 
     def grouped(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return grouped_linear(x, self.weight, self.bias, offsets)
+
+    def kernel(self, expert: int, rows: int) -> Kernel:
+        """Expert ``expert`` as ``F.linear`` and its weight (and bias): QuantLinear.kernel's contract."""
+        return F.linear, (self.weight[expert], None if self.bias is None else self.bias[expert])
 
 
 @register_stacker(nn.Linear)
@@ -215,6 +224,9 @@ class StackedQuantLinear(nn.Module):
     @property
     def num_experts(self) -> int:
         return len(self.experts)
+
+    def kernel(self, expert: int, rows: int) -> Kernel | None:
+        return self.experts[expert].kernel(rows)
 
     @property
     def fmt(self) -> str:

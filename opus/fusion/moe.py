@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.fusion.compiled_experts import compiled_experts, compiled_reason
 from opus.fusion.linear_ops import (
     StackedLinear,
     StackedQuantLinear,
@@ -54,7 +55,7 @@ from opus.fusion.linear_ops import (
 from opus.fusion.ops import swiglu
 from opus.models.layout import swiglu_parts
 
-EXPERT_MODES = ("sorted", "dense", "grouped")
+EXPERT_MODES = ("sorted", "dense", "grouped", "compiled")
 PHASES = ("prefill", "decode")
 DEFAULT_MODES = {"prefill": "sorted", "decode": "sorted"}  # recipes written before modes were chosen
 Stacked = StackedLinear | StackedQuantLinear
@@ -76,8 +77,8 @@ def _static_mode(x: torch.Tensor, mode: str) -> str:
     """The mode that runs: ``dense`` where shapes must not depend on the routing."""
     if torch.compiler.is_exporting():
         return "dense"  # exporters want static shapes (and ONNX has no stable sort)
-    if torch.compiler.is_compiling():
-        return "sorted_op" if mode == "sorted" else "dense"  # inductor: static shapes, or one opaque op
+    if torch.compiler.is_compiling():  # inductor: static shapes, or one opaque op
+        return {"sorted": "sorted_op", "compiled": "compiled_op"}.get(mode, "dense")
     # isinstance: under fx tracing ``x`` is a Proxy, and the traced graph is eager code (no capture).
     if mode == "sorted" and isinstance(x, torch.Tensor) and x.is_cuda and torch.cuda.is_current_stream_capturing():
         return "dense"  # a CUDA graph cannot hold the sorted mode's host syncs
@@ -89,14 +90,15 @@ _HANDLES = itertools.count()
 
 
 @torch.library.custom_op("opus::sorted_experts", mutates_args=())
-def sorted_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, handle: int) -> torch.Tensor:
-    """The sorted mode of the GroupedExperts registered as ``handle``, as one op a compiled graph calls
-    (its host syncs and routing-sized shapes stay inside, where inductor never sees them)."""
-    return _EXPERTS[handle].sorted(x, chosen, weights)
+def sorted_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, handle: int,
+                   compiled: bool) -> torch.Tensor:
+    """The sorted (or compiled) mode of the GroupedExperts registered as ``handle``, as one op a compiled
+    graph calls (its host syncs and routing-sized shapes stay inside, where inductor never sees them)."""
+    return _EXPERTS[handle].sorted(x, chosen, weights, compiled)
 
 
 @sorted_experts.register_fake
-def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, handle: int) -> torch.Tensor:
+def _(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, handle: int, compiled: bool) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -116,6 +118,9 @@ class GroupedExperts(nn.Module):
         """Why ``mode`` cannot run these experts on their device and dtype, or None when it can."""
         if mode not in EXPERT_MODES:
             return f"unknown experts mode {mode!r} (known: {', '.join(EXPERT_MODES)})"
+        if mode == "compiled":
+            device = next(itertools.chain(self.gate_up.parameters(), self.gate_up.buffers())).device
+            return compiled_reason(self.gate_up, self.down, device)
         if mode != "grouped":
             return None
         if isinstance(self.gate_up, StackedQuantLinear):
@@ -132,22 +137,31 @@ class GroupedExperts(nn.Module):
         mode = _static_mode(x, mode)
         if mode == "dense":
             return self.dense(x, chosen, weights)
-        if mode == "sorted_op":
-            return sorted_experts(x, chosen, weights, self.handle)
+        if mode in ("sorted_op", "compiled_op"):
+            return sorted_experts(x, chosen, weights, self.handle, mode == "compiled_op")
         if mode == "grouped":
             reason = self.mode_reason(mode)
             if reason:
                 raise ValueError(f"experts mode 'grouped' cannot run here: {reason}")
             return self.grouped(x, chosen, weights)
+        if mode == "compiled":
+            reason = self.mode_reason(mode)
+            if reason:
+                raise ValueError(f"experts mode 'compiled' cannot run here: {reason}")
+            return self.sorted(x, chosen, weights, compiled=True)
         if mode != "sorted":
             raise ValueError(self.mode_reason(mode))
         return self.sorted(x, chosen, weights)
 
-    def sorted(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def sorted(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+               compiled: bool = False) -> torch.Tensor:
         flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # stable: within an expert tokens stay in order
         token = torch.div(order, self.top_k, rounding_mode="floor")
         offsets = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        if compiled:
+            slot_weights = weights.reshape(-1)[order].unsqueeze(-1)
+            return compiled_experts(self.gate_up, self.down, x, token, slot_weights, offsets.tolist())
         if isinstance(self.gate_up, StackedQuantLinear):
             y = self._expertwise(x[token], offsets)
         else:

@@ -9,11 +9,14 @@ resolve (``__getattr__`` below), for code written against this module.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from opus.quant.kernels import int8_per_channel
+
+Kernel = tuple[Callable[..., torch.Tensor], tuple[torch.Tensor | None, ...]]
 
 
 class QuantLinear(nn.Module):
@@ -51,6 +54,12 @@ class QuantLinear(nn.Module):
     def options(self) -> dict[str, object]:
         """Constructor options beyond the shape (what ``empty`` needs to rebuild this layer)."""
         return {}
+
+    def kernel(self, rows: int) -> Kernel | None:
+        """A pure function and its tensors, ``fn(x, *tensors)``, computing this layer (bias included) on
+        a ``[rows, in]`` input, for callers that compile it with their own ops around it (the compiled
+        MoE experts); None where this format has none or would run another path at that row count."""
+        return None
 
     def after_load(self) -> None:
         """Re-derive kernel layouts after the packed tensors changed."""

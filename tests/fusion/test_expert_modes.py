@@ -47,11 +47,46 @@ def test_unavailable_mode_says_why_and_refuses(monkeypatch) -> None:
     monkeypatch.setitem(linear_ops._GROUPED_OK, ("cpu", torch.float32), False)
     monkeypatch.setitem(linear_ops._GROUPED_WHY, ("cpu", torch.float32), "no grouped GEMM in this build")
     runnable, unavailable = availability(model)
-    assert runnable == ["sorted", "dense"]
+    assert runnable == ["sorted", "dense", "compiled"]
     assert unavailable["grouped"] == "model.layers.0.mlp: no grouped GEMM in this build"
     moe = grouped_moes(model)[0][1]
     with pytest.raises(ValueError, match="no grouped GEMM"):
         moe(torch.randn(2, 3, 32), "grouped")
+
+
+def _w8a8_moe(fmt: str = "w8a8") -> GroupedMoE:
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+
+    model = tiny_lm("mixtral")
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".experts." in n]
+    quantize_model(model, dict.fromkeys(names, fmt), collect_stats(model, prompts()), group_size=32)
+    grouped = group_moe(model.model.layers[0].mlp)
+    assert isinstance(grouped, GroupedMoE)
+    return grouped
+
+
+def test_compiled_mode_runs_quantized_experts_as_the_sorted_mode_does() -> None:
+    """W8A8 experts in one compiled function per expert: the same sums as the sorted mode, whatever the
+    slice sizes (a slice of a few rows runs the layer's own weight-only branch in both)."""
+    moe = _w8a8_moe()
+    assert moe.mode_reason("compiled") is None
+    for rows in (64, 5):  # prefill-sized slices (compiled) and decode-sized ones (eager)
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            torch.testing.assert_close(moe(x, "compiled"), moe(x, "sorted"), rtol=0, atol=1e-6)
+
+
+def test_compiled_mode_says_where_it_cannot_run() -> None:
+    from opus.fusion.compiled_experts import compiled_reason
+
+    moe = _w8a8_moe("w8a16")
+    assert moe.mode_reason("compiled") == "w8a16 experts have no pure kernel to compile"
+    with pytest.raises(ValueError, match="no pure kernel"):
+        moe(torch.randn(4, 32), "compiled")
+    experts = _w8a8_moe().experts
+    assert compiled_reason(experts.gate_up, experts.down, torch.device("cuda")) == (
+        "compiled experts run on CPU (inductor's C++ kernels, measured there), not on cuda")
 
 
 def test_choice_is_measured_per_phase_and_replays() -> None:

@@ -58,9 +58,9 @@ def test_a_mode_that_cannot_run_is_reported_with_the_reason(pipeline, tmp_path, 
     monkeypatch.setitem(linear_ops._GROUPED_WHY, ("cpu", torch.float32), "torch._grouped_mm needs CUDA here")
     result = fuse.run(context(pipeline, tmp_path / "out", "fuse"), CFG)
     record = _artifact(tmp_path / "out", "fusion.json")["experts"]
-    assert record["runnable"] == ["sorted", "dense"]
+    assert record["runnable"] == ["sorted", "dense", "compiled"]
     assert record["unavailable"] == {"grouped": "model.layers.0.mlp: torch._grouped_mm needs CUDA here"}
-    assert set(result.recipe[0]["experts"].values()) <= {"sorted", "dense"}
+    assert set(result.recipe[0]["experts"].values()) <= {"sorted", "dense", "compiled"}
 
 
 def test_switched_off_the_step_is_as_before(pipeline, tmp_path):

@@ -14,7 +14,7 @@ from torch import nn
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
 from opus.quant.kernels import fake_int8_activation, int8_per_tensor, int8_per_token
-from opus.quant.modules import Int8WeightLinear
+from opus.quant.modules import Int8WeightLinear, Kernel
 
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA: "self.size(0) needs to be greater than 16"
 
@@ -71,9 +71,30 @@ class Int8DynamicLinear(Int8WeightLinear):
         return out
 
     def _int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        q, x_scale = int8_per_token(x) if self.per_token else int8_per_tensor(x)
-        acc = torch._int_mm(q, self.qweight.t())
-        return (acc * x_scale).mul_(self.scale).to(x.dtype)  # int32 × fp32 promotes in one op
+        return (int8_token_linear if self.per_token else int8_tensor_linear)(x, self.qweight, self.scale, None)
+
+    def kernel(self, rows: int) -> Kernel | None:
+        if rows <= self.WEIGHT_ONLY_MAX_ROWS:
+            return None  # the eager layer runs its weight-only branch at this size
+        return (int8_token_linear if self.per_token else int8_tensor_linear), (self.qweight, self.scale, self.bias)
+
+
+def _int8_linear(x: torch.Tensor, q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
+                 scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = (torch._int_mm(q, qweight.t()) * x_scale).mul_(scale).to(x.dtype)  # int32 × fp32 promotes in one op
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+def int8_token_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 on ``x [M, in]``: per-token int8 activations, the int8 GEMM, both scales (and the bias)."""
+    return _int8_linear(x, *int8_per_token(x), qweight, scale, bias)
+
+
+def int8_tensor_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8 with one activation scale for the whole of ``x`` (the naive per-tensor baseline)."""
+    return _int8_linear(x, *int8_per_tensor(x), qweight, scale, bias)
 
 
 @contextlib.contextmanager
