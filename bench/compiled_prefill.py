@@ -1,9 +1,10 @@
 """The static KV cache's compiled prefill against its eager prefill, side by side in one run.
 
 The model is quantized as a pipeline would (uniform ``--format``, SmoothQuant where the format takes
-it, opus.quant.apply) and fused (opus.fusion, every pattern; a MoE's experts grouped). Then, at
-batch 1 and at ``--batch``, three contenders run the same prompts in interleaved rounds (round robin,
-``--repeats`` timed rounds after one warm-up that also compiles):
+it, opus.quant.apply) and fused (opus.fusion, every pattern; a MoE's experts grouped, in
+``--prefill-experts`` mode at prefill). Then, at batch 1 and at ``--batch``, three contenders run the
+same prompts in interleaved rounds (round robin, ``--repeats`` timed rounds after one warm-up that
+also compiles):
 
 - ``fp32 eager``: the float model, growing KV cache (the baseline every ratio is against);
 - ``static, compiled decode``: the quantized model, decode steps compiled, prefill eager;
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from opus.errors import OpusError  # noqa: E402
 from opus.fusion import FusionConfig, fuse_model, lm_probe  # noqa: E402
+from opus.fusion.moe import EXPERT_MODES, set_modes  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
 from opus.models import load_model  # noqa: E402
@@ -50,12 +52,14 @@ from opus.runtime.machine import describe, recorded  # noqa: E402
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode")
 
 
-def optimized(base: torch.nn.Module, calib: torch.Tensor, fmt: str) -> torch.nn.Module:
+def optimized(base: torch.nn.Module, calib: torch.Tensor, fmt: str, prefill_experts: str = "sorted") -> torch.nn.Module:
     model = copy.deepcopy(base)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and not n.endswith(".gate")]
     if fmt != "fp32":
         quantize_model(model, dict.fromkeys(names, fmt), collect_stats(model, calib), group_size=64)
-    return fuse_model(model, FusionConfig(), lm_probe(calib[:1, :32])).model
+    fused = fuse_model(model, FusionConfig(), lm_probe(calib[:1, :32])).model
+    set_modes(fused, {"prefill": prefill_experts})
+    return fused
 
 
 def rounds(runs: dict[str, Any], prompts: torch.Tensor, new_tokens: int, repeats: int) -> dict[str, list[Any]]:
@@ -96,6 +100,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill-experts", default="compiled", choices=EXPERT_MODES,
+                        help="a MoE's experts mode at prefill (the fuse stage measures it; here it is set)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
@@ -107,7 +113,7 @@ def main() -> None:
     calib = load_blocks(TextSetSpec(files=[args.calib], samples=16, seq_len=256), tokenizer, ROOT)
     prompts = load_blocks(TextSetSpec(files=[args.eval], samples=args.batch, seq_len=args.input_len), tokenizer,
                           ROOT)
-    model = optimized(base, calib, args.format)
+    model = optimized(base, calib, args.format, args.prefill_experts)
     caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True)}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
@@ -121,7 +127,8 @@ def main() -> None:
             agree, gap = prefill_gap(model, prompts[:batch], list(caches.values()))
             table[batch][CONTENDERS[2]].update(agree=agree, gap=gap)
     print(f"\n{describe(record['machine'])}")
-    print(f"{args.model}: {args.format} + fusion; input {args.input_len}, output {args.output_len}, "
+    print(f"{args.model}: {args.format} + fusion, {args.prefill_experts} experts at prefill; "
+          f"input {args.input_len}, output {args.output_len}, "
           f"{args.repeats} interleaved rounds, ratios to fp32 eager in the same rounds; "
           f"threads {torch.get_num_threads()}")
     if static.compile_notes():

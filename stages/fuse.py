@@ -70,6 +70,9 @@ class Experts(Strict):
     modes: list[str] = Field(default_factory=lambda: list(EXPERT_MODES))
     rounds: int = Field(DEFAULT_ROUNDS, ge=1)  # interleaved timing rounds per phase
     decode_batch: int | None = Field(None, gt=0)  # rows of the timed decode step; None: the workload's batch
+    # The timed prefill: prompts of this batch and length (None: the workload's), the text repeated to fit.
+    prefill_batch: int | None = Field(None, gt=0)
+    prefill_len: int | None = Field(None, gt=1)
 
 
 class Config(Strict):
@@ -87,7 +90,9 @@ class Config(Strict):
     check: Check = Field(default_factory=Check)
 
 
-def _lm_prompts(ctx: StageContext, model: Any, tokenizer: Any, cfg: Config) -> tuple[Any, str]:
+def _lm_prompts(ctx: StageContext, model: Any, tokenizer: Any, cfg: Config) -> tuple[Any, str, Any]:
+    """(the prompts, where they came from, every evaluation block they were cut from: the text that the
+    experts' prefill timing repeats to the workload's shape)."""
     from opus.runtime.data import DataError, load_blocks, random_blocks
     from opus.runtime.metrics import vocab_size
 
@@ -96,10 +101,11 @@ def _lm_prompts(ctx: StageContext, model: Any, tokenizer: Any, cfg: Config) -> t
         try:
             blocks = load_blocks(evaluation, tokenizer, ctx.base_dir)
             if blocks.shape[0] >= cfg.prompts and blocks.shape[1] >= cfg.prompt_len:
-                return blocks[: cfg.prompts, : cfg.prompt_len].clone(), "text"
+                return blocks[: cfg.prompts, : cfg.prompt_len].clone(), "text", blocks
         except DataError as exc:
             ctx.log(f"fusion prompts are random token ids: {exc}")
-    return random_blocks(cfg.prompts, cfg.prompt_len, vocab_size(model), cfg.seed), "random"
+    prompts = random_blocks(cfg.prompts, cfg.prompt_len, vocab_size(model), cfg.seed)
+    return prompts, "random", prompts
 
 
 def _generic_inputs(model: Any, cfg: Config) -> tuple[Any, ...]:
@@ -149,7 +155,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     lm = supports_cache(model)
     ctx.progress(0, 4, "recording the reference")
     if lm:
-        prompts, source = _lm_prompts(ctx, model, loaded.tokenizer, cfg)
+        prompts, source, text = _lm_prompts(ctx, model, loaded.tokenizer, cfg)
         prompts = prompts.to(model_device(model))
         reference = fusion.lm_reference(model, prompts, cfg.new_tokens)
         probe, count_ids = fusion.lm_probe(prompts[:1, : cfg.probe_len]), prompts[:1]
@@ -161,7 +167,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     ctx.progress(1, 4, "fusing")
     outcome = fusion.fuse_model(model, fusion.FusionConfig(cfg.patterns, cfg.ignore, cfg.tolerance), probe)
     model = outcome.model
-    experts = _expert_modes(ctx, model, cfg, prompts if lm else None)
+    experts = _expert_modes(ctx, model, cfg, (prompts, text.to(prompts.device)) if lm else None)
     ctx.progress(2, 4, "checking equivalence")
     eq = fusion.compare(model, reference)
     after = _counts(fusion, model, count_ids, lm, cfg.measure_time)
@@ -211,28 +217,38 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     return StageResult(metrics=metrics, model=model, recipe=[step], info={"prompts": source})
 
 
-def _expert_modes(ctx: StageContext, model: Any, cfg: Config, prompts: Any) -> Any:
+def _expert_modes(ctx: StageContext, model: Any, cfg: Config, prompts_and_text: tuple[Any, Any] | None) -> Any:
     """The grouped MoE's modes: measured here, replayed from ``run.decisions_from``, or the default.
     Modes this device cannot run are listed with the reason in fusion.json, never dropped silently."""
     from opus.fusion.expert_modes import decide_expert_modes, replay_expert_modes
     from opus.fusion.moe import grouped_moes
 
-    if prompts is None or not cfg.experts.choose or not grouped_moes(model):
+    if prompts_and_text is None or not cfg.experts.choose or not grouped_moes(model):
         return None
+    prompts, text = prompts_and_text
     replay = source_artifact(ctx, FUSION_FILE)
     if replay is not None:
         record = json.loads(replay.read_text()).get("experts")
         choice = replay_expert_modes(model, record, str(replay))
     else:
         ctx.progress(1.5, 4, "measuring the MoE experts modes")
-        batch = cfg.experts.decode_batch or ctx.spec.workload.batch_size
-        choice = decide_expert_modes(model, prompts, batch, tolerance=cfg.tolerance,
-                                     rounds=cfg.experts.rounds, wanted=cfg.experts.modes)
+        workload = ctx.spec.workload
+        batch = cfg.experts.decode_batch or workload.batch_size
+        shape = (cfg.experts.prefill_batch or workload.batch_size, cfg.experts.prefill_len or workload.input_len)
+        choice = decide_expert_modes(model, prompts, batch, tolerance=cfg.tolerance, rounds=cfg.experts.rounds,
+                                     wanted=cfg.experts.modes, prefill=tiled(text, *shape))
     if choice is not None:
         for mode, why in choice.unavailable.items():
             ctx.log(f"MoE experts mode {mode} not measured: {why}")
-        ctx.log(f"MoE experts modes: {choice.modes}")
+        timed = f" (prefill timed at batch {shape[0]} × {shape[1]} tokens)" if replay is None else ""
+        ctx.log(f"MoE experts modes: {choice.modes}{timed}")
     return choice
+
+
+def tiled(prompts: Any, batch: int, length: int) -> Any:
+    """``prompts`` repeated along both axes and cut to ``[batch, length]``."""
+    rows, cols = prompts.shape
+    return prompts.repeat(-(-batch // rows), -(-length // cols))[:batch, :length].contiguous()
 
 
 def reference_shape(reference: Any) -> tuple[int, ...]:

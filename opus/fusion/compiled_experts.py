@@ -11,8 +11,9 @@ summed into the output per expert in expert order, as the sorted mode sums them,
 agree to the last bit where the compiled arithmetic rounds as eager does.
 
 An expert runs eagerly instead where a layer has no pure kernel at that row count (``kernel`` returns
-None: W8A8's weight-only branch for a handful of rows) or a slice has one row (inductor specializes
-sizes 0 and 1). Runs on CPU (inductor's C++ kernels, measured there); on other devices the mode is
+None: W8A8's weight-only branch for a handful of rows), a slice has one row (inductor specializes
+sizes 0 and 1), or a dispatch mode is watching (the fuse stage's op counts: dynamo skips frames
+under one). Runs on CPU (inductor's C++ kernels, measured there); on other devices the mode is
 reported unavailable with the reason.
 """
 
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from opus.fusion.ops import swiglu
 
@@ -69,7 +71,7 @@ def compiled_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, token
         if end > start:
             rows, weight = token[start:end], slot_weights[start:end]
             up, dn = gate_up.kernel(expert, end - start), down.kernel(expert, end - start)
-            if up is not None and dn is not None and end - start > 1:
+            if up is not None and dn is not None and end - start > 1 and _get_current_dispatch_mode() is None:
                 y = _compiled()(x, rows, weight, up[0], up[1], dn[0], dn[1])
             else:
                 y = _eager(down, dn, expert, swiglu(_eager(gate_up, up, expert, x[rows]))) * weight

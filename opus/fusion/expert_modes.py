@@ -88,9 +88,10 @@ def _differs(model: nn.Module, ids: torch.Tensor, modes: list[str], tolerance: f
 def decide_expert_modes(model: nn.Module, prompts: torch.Tensor, decode_batch: int, *,
                         tolerance: float | None = None,
                         rounds: int = DEFAULT_ROUNDS, wanted: list[str] | None = None,
-                        steps: int = 4) -> ExpertChoice | None:
-    """Measure the runnable modes at prefill (``prompts``) and decode (``decode_batch`` rows); None
-    when ``model`` has no GroupedMoE. A single runnable mode is taken without timing."""
+                        steps: int = 4, prefill: torch.Tensor | None = None) -> ExpertChoice | None:
+    """Check the runnable modes on ``prompts`` and measure them at prefill (``prefill``, the workload's
+    prompts; default ``prompts``) and decode (``decode_batch`` rows); None when ``model`` has no
+    GroupedMoE. A single runnable mode is taken without timing."""
     if not grouped_moes(model):
         return None
     runnable, unavailable = availability(model, wanted)
@@ -107,7 +108,8 @@ def decide_expert_modes(model: nn.Module, prompts: torch.Tensor, decode_batch: i
             decisions.append(Decision(WHAT[phase], "ms", {}, {}, 0.0, [only], only, "the only runnable mode",
                                       {only: Option(only)}))
             continue
-        options = [Option(mode, _timed(model, phase, mode, prompts, rows, steps), simplicity=SIMPLICITY[mode])
+        timed = prompts if prefill is None else prefill
+        options = [Option(mode, _timed(model, phase, mode, timed, rows, steps), simplicity=SIMPLICITY[mode])
                    for mode in runnable]
         decisions.append(decide(WHAT[phase], options, rounds, timer=reported, unit="ms"))
     modes = {phase: d.winner for phase, d in zip(PHASES, decisions)}
@@ -121,8 +123,8 @@ def _timed(model: nn.Module, phase: str, mode: str, prompts: torch.Tensor, rows:
         set_modes(model, {phase: mode})
         if phase == "decode":
             return decode_step_s(model, rows, steps) * 1e3
-        with torch.inference_mode():
-            return wall_clock(lambda: model(prompts)) * 1e3
+        with torch.inference_mode():  # the prompt's last logits only, as generation computes them
+            return wall_clock(lambda: model(prompts, last_only=True)) * 1e3
     return run
 
 

@@ -77,6 +77,19 @@ def test_compiled_mode_runs_quantized_experts_as_the_sorted_mode_does() -> None:
             torch.testing.assert_close(moe(x, "compiled"), moe(x, "sorted"), rtol=0, atol=1e-6)
 
 
+def test_compiled_mode_runs_eagerly_under_a_dispatch_mode() -> None:
+    """The fuse stage counts dispatched ops under a TorchDispatchMode, where dynamo compiles nothing."""
+    from opus.fusion.measure import count_ops
+
+    moe = _w8a8_moe()
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(2))
+    seen = {}
+    ops = count_ops(lambda: seen.update(out=moe(x, "compiled")))
+    assert ops["_int_mm"] > 0  # the experts' GEMMs ran, eagerly, under the counter
+    with torch.no_grad():
+        torch.testing.assert_close(seen["out"], moe(x, "sorted"), rtol=0, atol=1e-6)
+
+
 def test_compiled_mode_says_where_it_cannot_run() -> None:
     from opus.fusion.compiled_experts import compiled_reason
 
@@ -133,3 +146,19 @@ def test_compiled_and_exported_paths_run_dense() -> None:
     compiled = torch.compile(lambda t: moe(t, "sorted"), backend="eager", fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), moe(x, "dense"), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_is_timed_on_the_prompts_it_is_given() -> None:
+    """The fuse stage hands the workload-shaped prompts for the prefill timing; the check of each mode
+    still runs on the short prompts."""
+    from stages.fuse import tiled
+
+    ids = prompts()
+    model = fuse_model(tiny_lm("mixtral"), FusionConfig(patterns=["moe_grouped"]), lm_probe(ids[:1, :8])).model
+    workload = tiled(ids, 3, 2 * ids.shape[1] + 1)
+    assert workload.shape == (3, 2 * ids.shape[1] + 1) and torch.equal(workload[:, : ids.shape[1]], ids[[0, 1, 0]])
+    seen = []
+    model.register_forward_pre_hook(lambda _, args, kwargs: seen.append((tuple(args[0].shape), kwargs.get(
+        "last_only", False))), with_kwargs=True)
+    decide_expert_modes(model, ids, 4, rounds=2, steps=2, wanted=["sorted", "dense"], prefill=workload)
+    assert (tuple(workload.shape), True) in seen and (tuple(ids.shape), False) in seen
