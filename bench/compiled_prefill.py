@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from opus.errors import OpusError  # noqa: E402
 from opus.fusion import FusionConfig, fuse_model, lm_probe  # noqa: E402
-from opus.fusion.moe import EXPERT_MODES, set_modes  # noqa: E402
+from opus.fusion.moe import EXPERT_MODES, grouped_moes, set_modes  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
 from opus.models import load_model  # noqa: E402
@@ -114,6 +114,10 @@ def main() -> None:
     prompts = load_blocks(TextSetSpec(files=[args.eval], samples=args.batch, seq_len=args.input_len), tokenizer,
                           ROOT)
     model = optimized(base, calib, args.format, args.prefill_experts)
+    why = next((r for _, moe in grouped_moes(model) if (r := moe.mode_reason(args.prefill_experts))), None)
+    if why:  # before anything is timed: one line, as the CLI says a bad option
+        print(f"compiled_prefill: --prefill-experts {args.prefill_experts}: {why}", file=sys.stderr)
+        raise SystemExit(2)
     caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True)}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():

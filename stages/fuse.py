@@ -167,7 +167,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     ctx.progress(1, 4, "fusing")
     outcome = fusion.fuse_model(model, fusion.FusionConfig(cfg.patterns, cfg.ignore, cfg.tolerance), probe)
     model = outcome.model
-    experts = _expert_modes(ctx, model, cfg, (prompts, text.to(prompts.device)) if lm else None)
+    experts = _expert_modes(ctx, model, cfg, (prompts, text) if lm else None)
     ctx.progress(2, 4, "checking equivalence")
     eq = fusion.compare(model, reference)
     after = _counts(fusion, model, count_ids, lm, cfg.measure_time)
@@ -222,11 +222,12 @@ def _expert_modes(ctx: StageContext, model: Any, cfg: Config, prompts_and_text: 
     Modes this device cannot run are listed with the reason in fusion.json, never dropped silently."""
     from opus.fusion.expert_modes import decide_expert_modes, replay_expert_modes
     from opus.fusion.moe import grouped_moes
+    from opus.runtime.data import tiled
 
     if prompts_and_text is None or not cfg.experts.choose or not grouped_moes(model):
         return None
     prompts, text = prompts_and_text
-    replay = source_artifact(ctx, FUSION_FILE)
+    replay, timed = source_artifact(ctx, FUSION_FILE), ""
     if replay is not None:
         record = json.loads(replay.read_text()).get("experts")
         choice = replay_expert_modes(model, record, str(replay))
@@ -235,20 +236,15 @@ def _expert_modes(ctx: StageContext, model: Any, cfg: Config, prompts_and_text: 
         workload = ctx.spec.workload
         batch = cfg.experts.decode_batch or workload.batch_size
         shape = (cfg.experts.prefill_batch or workload.batch_size, cfg.experts.prefill_len or workload.input_len)
+        prefill = tiled(text, *shape).to(prompts.device)
         choice = decide_expert_modes(model, prompts, batch, tolerance=cfg.tolerance, rounds=cfg.experts.rounds,
-                                     wanted=cfg.experts.modes, prefill=tiled(text, *shape))
+                                     wanted=cfg.experts.modes, prefill=prefill)
+        timed = f" (prefill timed at batch {shape[0]} × {shape[1]} tokens)"
     if choice is not None:
         for mode, why in choice.unavailable.items():
             ctx.log(f"MoE experts mode {mode} not measured: {why}")
-        timed = f" (prefill timed at batch {shape[0]} × {shape[1]} tokens)" if replay is None else ""
         ctx.log(f"MoE experts modes: {choice.modes}{timed}")
     return choice
-
-
-def tiled(prompts: Any, batch: int, length: int) -> Any:
-    """``prompts`` repeated along both axes and cut to ``[batch, length]``."""
-    rows, cols = prompts.shape
-    return prompts.repeat(-(-batch // rows), -(-length // cols))[:batch, :length].contiguous()
 
 
 def reference_shape(reference: Any) -> tuple[int, ...]:

@@ -69,9 +69,9 @@ def compiled_experts(gate_up: nn.Module, down: nn.Module, x: torch.Tensor, token
     out, start = torch.zeros_like(x), 0
     for expert, end in enumerate(ends):
         if end > start:
-            rows, weight = token[start:end], slot_weights[start:end]
-            up, dn = gate_up.kernel(expert, end - start), down.kernel(expert, end - start)
-            if up is not None and dn is not None and end - start > 1 and _get_current_dispatch_mode() is None:
+            rows, weight, count = token[start:end], slot_weights[start:end], end - start
+            up, dn = gate_up.kernel(expert, count), down.kernel(expert, count)
+            if up is not None and dn is not None and count > 1 and _get_current_dispatch_mode() is None:
                 y = _compiled()(x, rows, weight, up[0], up[1], dn[0], dn[1])
             else:
                 y = _eager(down, dn, expert, swiglu(_eager(gate_up, up, expert, x[rows]))) * weight

@@ -22,6 +22,7 @@ from opus.fusion.capture import tolerance_for
 from opus.fusion.measure import decode_step_s
 from opus.fusion.moe import DEFAULT_MODES, EXPERT_MODES, PHASES, grouped_moes, set_modes
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported, run_relative, wall_clock
+from opus.runtime.data import tiled
 
 # A tie within the noise goes to the simpler: the sorted mode (what ran before modes were chosen), then
 # dense (plain GEMMs), then grouped (a private torch op), then compiled (an inductor compile per process).
@@ -100,7 +101,7 @@ def decide_expert_modes(model: nn.Module, prompts: torch.Tensor, decode_batch: i
     for mode, why in _differs(model, prompts, runnable, tolerance_for(model, tolerance)).items():
         runnable.remove(mode)
         unavailable[mode] = why
-    rows = prompts.repeat((decode_batch + prompts.shape[0] - 1) // prompts.shape[0], 1)[:decode_batch]
+    rows = tiled(prompts, decode_batch, prompts.shape[1])
     decisions = []
     for phase in PHASES:
         if len(runnable) == 1:

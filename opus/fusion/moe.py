@@ -139,16 +139,11 @@ class GroupedExperts(nn.Module):
             return self.dense(x, chosen, weights)
         if mode in ("sorted_op", "compiled_op"):
             return sorted_experts(x, chosen, weights, self.handle, mode == "compiled_op")
-        if mode == "grouped":
+        if mode in ("grouped", "compiled"):
             reason = self.mode_reason(mode)
             if reason:
-                raise ValueError(f"experts mode 'grouped' cannot run here: {reason}")
-            return self.grouped(x, chosen, weights)
-        if mode == "compiled":
-            reason = self.mode_reason(mode)
-            if reason:
-                raise ValueError(f"experts mode 'compiled' cannot run here: {reason}")
-            return self.sorted(x, chosen, weights, compiled=True)
+                raise ValueError(f"experts mode {mode!r} cannot run here: {reason}")
+            return self.grouped(x, chosen, weights) if mode == "grouped" else self.sorted(x, chosen, weights, True)
         if mode != "sorted":
             raise ValueError(self.mode_reason(mode))
         return self.sorted(x, chosen, weights)

@@ -311,6 +311,13 @@ def load_blocks(text_set: TextSetSpec, tokenizer: Any, base_dir: Path) -> torch.
     return cut_blocks(stream, text_set.samples, text_set.seq_len, text_set.seed, where)
 
 
+def tiled(blocks: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """``blocks [N, T]`` repeated along both axes and cut to ``[rows, length]`` (prompts of a workload's
+    shape from fewer or shorter blocks of text)."""
+    n, t = blocks.shape
+    return blocks.repeat(-(-rows // n), -(-length // t))[:rows, :length].contiguous()
+
+
 def random_blocks(samples: int, seq_len: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
     """Deterministic random token ids: prompts when no text is declared (speed only, not quality)."""
     generator = torch.Generator().manual_seed(seed)

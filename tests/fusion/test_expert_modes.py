@@ -151,7 +151,7 @@ def test_compiled_and_exported_paths_run_dense() -> None:
 def test_prefill_is_timed_on_the_prompts_it_is_given() -> None:
     """The fuse stage hands the workload-shaped prompts for the prefill timing; the check of each mode
     still runs on the short prompts."""
-    from stages.fuse import tiled
+    from opus.runtime.data import tiled
 
     ids = prompts()
     model = fuse_model(tiny_lm("mixtral"), FusionConfig(patterns=["moe_grouped"]), lm_probe(ids[:1, :8])).model

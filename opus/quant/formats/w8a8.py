@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,13 +70,16 @@ class Int8DynamicLinear(Int8WeightLinear):
             out[start:start + self.CHUNK_ROWS] = self._int8_matmul(x[start:start + self.CHUNK_ROWS])
         return out
 
+    def _int8_linear(self) -> Callable[..., torch.Tensor]:
+        return int8_token_linear if self.per_token else int8_tensor_linear
+
     def _int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return (int8_token_linear if self.per_token else int8_tensor_linear)(x, self.qweight, self.scale, None)
+        return self._int8_linear()(x, self.qweight, self.scale, None)
 
     def kernel(self, rows: int) -> Kernel | None:
         if rows <= self.WEIGHT_ONLY_MAX_ROWS:
             return None  # the eager layer runs its weight-only branch at this size
-        return (int8_token_linear if self.per_token else int8_tensor_linear), (self.qweight, self.scale, self.bias)
+        return self._int8_linear(), (self.qweight, self.scale, self.bias)
 
 
 def _int8_linear(x: torch.Tensor, q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
