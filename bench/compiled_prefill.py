@@ -8,13 +8,16 @@ also compiles):
 
 - ``fp32 eager``: the float model, growing KV cache (the baseline every ratio is against);
 - ``static, compiled decode``: the quantized model, decode steps compiled, prefill eager;
-- ``static, compiled prefill and decode``: the same with the prompt padded to its bucket and compiled.
+- ``static, compiled prefill and decode``: the same with the prompt padded to its bucket and compiled;
+- ``… blocked attention``: the same with Opus's blocked causal attention at prefill
+  (opus.models.attention: query blocks that skip the keys after them) in place of torch's SDPA.
 
 Per contender: median prefill ms (D at batch 1), median decode tokens/s, P (tokens of the batch over
 the whole generate), each as a ratio to fp32 eager in the same rounds, and the greedy tokens' match
-of the prefill's next token with the compiled-decode contender's and the largest difference of their
-prefill logits (the padding must change nothing; compiled int8 code may round differently). Compile
-seconds are printed apart and excluded. ``--format fp32`` leaves the weights float. A figure, not a test:
+of each compiled prefill's next token with the compiled-decode contender's (eager prefill) and the
+largest difference of their prefill logits (the padding must change nothing; compiled int8 code may
+round differently). Compile seconds are printed apart and excluded. ``--format fp32`` leaves the weights
+float. A figure, not a test:
 
     HF_HUB_OFFLINE=1 .venv/bin/python bench/compiled_prefill.py --batch 32 --input-len 512 --output-len 128
     HF_HUB_OFFLINE=1 .venv/bin/python bench/compiled_prefill.py --model /tmp/llama135m --batch 8 \\
@@ -49,7 +52,8 @@ from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.engine import generate  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
 
-CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode")
+CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
+              "… blocked attention")
 
 
 def optimized(base: torch.nn.Module, calib: torch.Tensor, fmt: str, prefill_experts: str = "sorted") -> torch.nn.Module:
@@ -77,7 +81,8 @@ def rounds(runs: dict[str, Any], prompts: torch.Tensor, new_tokens: int, repeats
 
 
 def prefill_gap(model: torch.nn.Module, prompts: torch.Tensor, caches: list[dict[str, Any]]) -> tuple[float, float]:
-    """(share of rows whose next token agrees, largest |Δ logit| over the logits' largest |logit|)."""
+    """(share of rows whose next token agrees, largest |Δ logit| over the logits' largest |logit|) of the
+    second cache's prefill against the first's."""
     first, second = (model(prompts, cache=cache_factory(model, c)(prompts.shape[0], prompts.shape[1] + 1),
                            start_pos=0, last_only=True)[:, -1] for c in caches)
     agree = float((first.argmax(-1) == second.argmax(-1)).float().mean())
@@ -118,7 +123,8 @@ def main() -> None:
     if why:  # before anything is timed: one line, as the CLI says a bad option
         print(f"compiled_prefill: --prefill-experts {args.prefill_experts}: {why}", file=sys.stderr)
         raise SystemExit(2)
-    caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True)}
+    caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True),
+              CONTENDERS[3]: static.cache_config(True, compile_prefill=True, attention="blocked")}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
         runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
@@ -128,8 +134,9 @@ def main() -> None:
         for batch in sorted({1, args.batch}):
             seen = rounds(runs, prompts[:batch], args.output_len, args.repeats)
             table[batch] = {name: figures(results, batch, args.output_len) for name, results in seen.items()}
-            agree, gap = prefill_gap(model, prompts[:batch], list(caches.values()))
-            table[batch][CONTENDERS[2]].update(agree=agree, gap=gap)
+            for name in CONTENDERS[2:]:
+                agree, gap = prefill_gap(model, prompts[:batch], [caches[CONTENDERS[1]], caches[name]])
+                table[batch][name].update(agree=agree, gap=gap)
     print(f"\n{describe(record['machine'])}")
     print(f"{args.model}: {args.format} + fusion, {args.prefill_experts} experts at prefill; "
           f"input {args.input_len}, output {args.output_len}, "

@@ -3,7 +3,8 @@
 Candidates come from the registry of cache kinds (``opus.kv.cache.registered_kinds``): each kind
 turns this stage's settings into configs to measure and says why one cannot run for the model.
 Opus's own: the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, the static
-cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only), and
+cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only; once with
+torch's attention and once with Opus's blocked causal attention, ``static_attention``), and
 the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
 or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
 ``unavailable`` in ``kv_config.json`` with the reason. They run the pipeline's workload (or the
@@ -33,7 +34,7 @@ number of sequences whose caches, allocated in steps, fit it::
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,6 +66,10 @@ class Config(BaseModel):
     # bucket compiles a graph of the whole model (about a minute on K3) and on K3 it has not yet won.
     include_static_prefill: bool = False
     static_slot_multiple: int = Field(128, gt=0)  # its slots: request length rounded up to this
+    # Its attention kernels, each a candidate of its own: torch's SDPA, and Opus's blocked kernel
+    # (opus.models.attention: a causal prefill in query blocks; CPU only).
+    static_attention: list[Literal["sdpa", "blocked"]] = Field(default_factory=lambda: ["sdpa", "blocked"],
+                                                               min_length=1)
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
     cuda_graph: bool | None = None

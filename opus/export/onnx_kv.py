@@ -99,8 +99,9 @@ def _padding_mask(cache: object | None, window: int | None = None) -> torch.Tens
 
 
 def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``decoder.attend`` with a per-row mask ``[B, 1, T, S]`` (True = visible) in place of its own."""
+                   mask: torch.Tensor | None = None, kernel: str = "sdpa") -> torch.Tensor:
+    """``decoder.attend`` with a per-row mask ``[B, 1, T, S]`` (True = visible) in place of its own; the
+    graph exported is plain SDPA whatever ``kernel`` the cache asked for."""
     if mask is None:
         return decoder.attend(q, k, v, causal, gqa)
     b, heads, t, d = q.shape

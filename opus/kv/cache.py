@@ -55,6 +55,8 @@ class KVCache(Protocol):
     # bucket); ``last_index`` is set only on the view that step passes: where the last real token is.
     prefills_itself: bool
     last_index: torch.Tensor | None
+    # The attention kernel the model runs with this cache: "sdpa", or "blocked" (opus.models.attention).
+    attention: str
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v`` ([B, H, T, D]) for ``layer``; return everything stored for it ([B, H, S, D])."""
@@ -86,6 +88,7 @@ class CacheBase:
     mask: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     last_index: torch.Tensor | None = None
+    attention: str = "sdpa"
 
     def decode_step(self, model: torch.nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not run decode steps (decodes_itself is False)")

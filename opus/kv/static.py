@@ -24,6 +24,10 @@ of every real token's view, and the slots they fill lie beyond the cache's lengt
 overwrite them before the mask lets anything see them. The logits are those of the last *real*
 token (``PrefillView.last_index``). One graph per (batch, bucket, slots); a compile failure runs the
 same padded prefill eagerly, with the reason in ``notes``.
+
+``attention: blocked`` runs the causal prefill's attention through Opus's own kernel
+(``opus.models.attention``: query blocks that skip the keys after them) instead of torch's SDPA;
+compiled graphs are kept per kernel.
 """
 
 from __future__ import annotations
@@ -38,14 +42,16 @@ import torch
 from torch import nn
 
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
+from opus.models.attention import check_kernel
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
 DEFAULT_SLOT_MULTIPLE = 128
 MIN_PREFILL_BUCKET = 16
 Step = Callable[..., torch.Tensor]
-_STEPS: weakref.WeakKeyDictionary[nn.Module, Step] = weakref.WeakKeyDictionary()
-_PREFILLS: weakref.WeakKeyDictionary[nn.Module, Step] = weakref.WeakKeyDictionary()
+Steps = weakref.WeakKeyDictionary[nn.Module, dict[str, Step]]  # per model, per attention kernel
+_STEPS: Steps = weakref.WeakKeyDictionary()
+_PREFILLS: Steps = weakref.WeakKeyDictionary()
 _SERIAL = itertools.count()
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
 
@@ -74,8 +80,8 @@ class DecodeView(CacheBase):
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], key_pos: torch.Tensor,
-                 positions: torch.Tensor) -> None:
-        self.k, self.v = k, v
+                 positions: torch.Tensor, attention: str = "sdpa") -> None:
+        self.k, self.v, self.attention = k, v, attention
         self.positions: torch.Tensor | None = positions
         # [T, S]: slot s is visible to the token at p iff s <= p.
         self.mask: torch.Tensor | None = key_pos[None, :] <= positions[:, None]
@@ -90,8 +96,9 @@ class PrefillView(CacheBase):
     """What the model sees during a compiled prefill from position 0: the first ``length`` slots of
     every layer (a static slice), causal attention, and the index of the last real token."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], length: int, last_index: torch.Tensor) -> None:
-        self.k, self.v, self.length = k, v, length
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], length: int, last_index: torch.Tensor,
+                 attention: str = "sdpa") -> None:
+        self.k, self.v, self.length, self.attention = k, v, length, attention
         self.last_index: torch.Tensor | None = last_index
         self._slots = torch.arange(length, device=last_index.device)
 
@@ -110,7 +117,8 @@ class CompiledStaticKVCache(CacheBase):
     decodes_itself = True
 
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
-                 slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False) -> None:
+                 slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False,
+                 attention: str = "sdpa") -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
@@ -121,6 +129,7 @@ class CompiledStaticKVCache(CacheBase):
         self.position = torch.zeros(1, dtype=torch.long, device=shape.device)
         self.compile_decode = compile_decode
         self.prefills_itself = compile_prefill
+        self.attention = check_kernel(attention)
         self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
         self._lens = [0] * int(shape.num_layers)
 
@@ -159,14 +168,15 @@ class CompiledStaticKVCache(CacheBase):
         length = prefill_bucket(tokens, self.slots)
         padded = torch.nn.functional.pad(input_ids, (0, length - tokens))  # token 0: never seen, overwritten
         self._last.fill_(tokens - 1)
-        prefill = compiled_prefill(model) if self.compile_decode else eager_prefill(model)  # compile: false
+        attention = self.attention
+        prefill = compiled_prefill(model, attention) if self.compile_decode else eager_prefill(model, attention)
         out = prefill(padded, self._last, self.k, self.v)
         self._lens = [tokens] * len(self._lens)
         return out
 
     def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
-        step = compiled_step(model) if self.compile_decode else eager_step(model)
+        step = compiled_step(model, self.attention) if self.compile_decode else eager_step(model, self.attention)
         return step(input_ids, self.position, self.k, self.v, self.key_pos)
 
     def _check(self, end: int, batch: int) -> None:
@@ -182,39 +192,41 @@ class CompiledStaticKVCache(CacheBase):
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
-def eager_step(model: nn.Module) -> Step:
+def eager_step(model: nn.Module, attention: str = "sdpa") -> Step:
     def step(ids: torch.Tensor, positions: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
              key_pos: torch.Tensor) -> torch.Tensor:
-        return model(ids, cache=DecodeView(k, v, key_pos, positions), last_only=True)
+        return model(ids, cache=DecodeView(k, v, key_pos, positions, attention), last_only=True)
 
     return step
 
 
-def eager_prefill(model: nn.Module) -> Step:
+def eager_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
     def prefill(ids: torch.Tensor, last_index: torch.Tensor, k: list[torch.Tensor],
                 v: list[torch.Tensor]) -> torch.Tensor:
-        return model(ids, cache=PrefillView(k, v, ids.shape[1], last_index), start_pos=0, last_only=True)
+        view = PrefillView(k, v, ids.shape[1], last_index, attention)
+        return model(ids, cache=view, start_pos=0, last_only=True)
 
     return prefill
 
 
-def compiled_step(model: nn.Module) -> Step:
-    """The model's decode step compiled (once per model; inductor recompiles per batch and slot count)."""
-    return _compiled(model, _STEPS, eager_step, "decode step")
+def compiled_step(model: nn.Module, attention: str = "sdpa") -> Step:
+    """The model's decode step compiled (once per model and attention kernel; inductor recompiles per
+    batch and slot count)."""
+    return _compiled(model, attention, _STEPS, eager_step, "decode step")
 
 
-def compiled_prefill(model: nn.Module) -> Step:
-    """The model's padded prefill compiled (once per model; recompiled per batch, bucket and slot count)."""
-    return _compiled(model, _PREFILLS, eager_prefill, "prefill")
+def compiled_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
+    """The model's padded prefill compiled (once per model and attention kernel; recompiled per batch,
+    bucket and slot count)."""
+    return _compiled(model, attention, _PREFILLS, eager_prefill, "prefill")
 
 
-def _compiled(model: nn.Module, steps: weakref.WeakKeyDictionary[nn.Module, Step],
-              eager: Callable[[nn.Module], Step], what: str) -> Step:
-    step = steps.get(model)
-    if step is None:
-        step = _with_fallback(model, compile_step(eager(model)), steps, eager, what)
-        steps[model] = step
-    return step
+def _compiled(model: nn.Module, attention: str, steps: Steps, eager: Callable[[nn.Module, str], Step],
+              what: str) -> Step:
+    own = steps.setdefault(model, {})
+    if attention not in own:
+        own[attention] = _with_fallback(model, attention, compile_step(eager(model, attention)), own, eager, what)
+    return own[attention]
 
 
 def compile_step(fn: Step, dynamic: bool | None = False) -> Step:
@@ -237,8 +249,8 @@ def _own_code(fn: Step) -> Step:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _with_fallback(model: nn.Module, compiled: Step, steps: weakref.WeakKeyDictionary[nn.Module, Step],
-                   eager: Callable[[nn.Module], Step], what: str) -> Step:
+def _with_fallback(model: nn.Module, attention: str, compiled: Step, own: dict[str, Step],
+                   eager: Callable[[nn.Module, str], Step], what: str) -> Step:
     """``compiled``, or — if compiling fails — the eager step from then on, with the reason in NOTES."""
     def step(*args: Any) -> torch.Tensor:
         try:
@@ -246,8 +258,8 @@ def _with_fallback(model: nn.Module, compiled: Step, steps: weakref.WeakKeyDicti
         except Exception as exc:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower
             NOTES.append(f"{type(model).__name__}: {what} not compiled, runs eagerly: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            steps[model] = eager(model)
-            return steps[model](*args)
+            own[attention] = eager(model, attention)
+            return own[attention](*args)
 
     return step
 
@@ -274,12 +286,12 @@ def decoder_reason(model: nn.Module) -> str | None:
 
 class _StaticKind(KindBase):
     name, provider, simplicity = KIND, PROVIDER, 2
-    OPTIONS = ("compile", "slot_multiple", "compile_prefill")
+    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention")
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         self.check_options(options)
         return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options),
-                                     bool(options.get("compile_prefill", False)))
+                                     bool(options.get("compile_prefill", False)), options.get("attention", "sdpa"))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # The context rounded up to whole slot multiples, allocated at once.
@@ -288,19 +300,26 @@ class _StaticKind(KindBase):
     def describe(self, options: dict[str, Any]) -> str:
         compiled = [what for what, key, default in (("prefill", "compile_prefill", False), ("decode", "compile", True))
                     if options.get(key, default)]
-        return f"static, compiled {' and '.join(compiled)}" if compiled else "static"
+        kernel = ", blocked attention" if options.get("attention", "sdpa") == "blocked" else ""
+        return (f"static, compiled {' and '.join(compiled)}" if compiled else "static") + kernel
 
     def simplicity_of(self, options: dict[str, Any]) -> int:
-        return self.simplicity + bool(options.get("compile_prefill"))
+        blocked = options.get("attention", "sdpa") == "blocked"
+        return self.simplicity + bool(options.get("compile_prefill")) + blocked
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         if not settings.get("include_static", True):
             return []
         multiple = int(settings.get("static_slot_multiple", DEFAULT_SLOT_MULTIPLE))
-        prefill = [cache_config(True, multiple, True)] if settings.get("include_static_prefill", False) else []
-        return [cache_config(True, multiple), *prefill]
+        prefills = [False, True] if settings.get("include_static_prefill", False) else [False]
+        kernels = [check_kernel(k) for k in settings.get("static_attention", ["sdpa"])]
+        return [cache_config(True, multiple, prefill, kernel) for prefill in prefills for kernel in kernels]
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
+        if options.get("attention", "sdpa") == "blocked":
+            device = next(iter(model.parameters())).device
+            if device.type != "cpu":
+                return f"the blocked attention kernel is measured on CPUs only; on {device} the cache runs sdpa"
         return decoder_reason(model)
 
 
@@ -308,6 +327,8 @@ STATIC = register_kind(_StaticKind())
 
 
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
-                 compile_prefill: bool = False) -> dict[str, Any]:
-    prefill = {"compile_prefill": True} if compile_prefill else {}  # absent: the configs of old stay as they were
-    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill)
+                 compile_prefill: bool = False, attention: str = "sdpa") -> dict[str, Any]:
+    # Options at their defaults are left out: the configs of old stay as they were.
+    prefill = {"compile_prefill": True} if compile_prefill else {}
+    kernel = {"attention": check_kernel(attention)} if attention != "sdpa" else {}
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel)

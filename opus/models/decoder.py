@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.errors import EXIT_INVALID, OpusError
+from opus.models.attention import blocked_attention
 from opus.models.config import ModelConfig
 
 
@@ -111,6 +112,12 @@ def cache_mask(cache: object | None) -> torch.Tensor | None:
 
 
 @torch.fx.wrap
+def cache_attention(cache: object | None) -> str:
+    """The attention kernel a cache asks for (``opus.models.attention.KERNELS``); ``"sdpa"`` without one."""
+    return "sdpa" if cache is None else cache.attention  # type: ignore[attr-defined]
+
+
+@torch.fx.wrap
 def last_position(h: torch.Tensor, cache: object | None) -> torch.Tensor:
     """``h [B, T, H]`` at its last position, or where a padded prefill's view says the last real token is."""
     index = None if cache is None else cache.last_index  # type: ignore[attr-defined]
@@ -141,11 +148,13 @@ def scale_embedding(h: torch.Tensor, scale: float) -> torch.Tensor:
 
 @torch.fx.wrap
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
-           mask: torch.Tensor | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None = None, kernel: str = "sdpa") -> torch.Tensor:
     # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
     # Otherwise T new tokens attend causally among themselves and fully to the S - T cached ones;
     # a single decode token attends to everything, so it needs no mask — unless the cache returned
     # slots not written yet, and a mask (``[T, S]``, or ``[B, 1, T, S]`` per row; True = visible) with them.
+    if kernel == "blocked" and (out := blocked_attention(q, k, v, causal, mask)) is not None:
+        return out
     t, s = q.shape[2], k.shape[2]
     if mask is not None and gqa:
         # Query head h reads KV head h // group: fold each group into the query length so every
@@ -194,7 +203,7 @@ class Attention(nn.Module):
         k, v = cache_update(cache, self.layer_idx, k, v)
         if self.sliding_window is not None:
             k = window_guard(k, self.sliding_window)
-        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads, cache_mask(cache))
+        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads, cache_mask(cache), cache_attention(cache))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

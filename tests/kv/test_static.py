@@ -229,3 +229,38 @@ def test_a_compiled_prefill_keeps_sorted_experts_and_gives_the_eager_tokens(monk
     assert sorted_calls  # the experts ran sorted inside the compiled graphs, not dense
     assert torch.equal(got.tokens, want.tokens)
     assert torch.allclose(got.logits, want.logits, atol=1e-4)
+
+
+def test_blocked_attention_is_a_candidate_of_its_own_and_only_on_a_cpu():
+    from opus.kv.cache import describe_cache
+    from opus.kv.static import STATIC
+
+    both = STATIC.candidates({"static_attention": ["sdpa", "blocked"]})
+    assert [describe_cache(c) for c in both] == ["static, compiled decode",
+                                                 "static, compiled decode, blocked attention"]
+    assert [STATIC.simplicity_of(c) for c in both] == [2, 3]
+    options = {"attention": "blocked"}
+    assert STATIC.unavailable(tiny_lm("llama"), options) is None
+    assert "measured on CPUs only; on meta" in STATIC.unavailable(tiny_lm("llama").to("meta"), options)
+    with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, got 'flash'"):
+        cache_factory(tiny_lm("llama"), cache_config() | {"attention": "flash"})(1, 8)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_cxx)])
+def test_blocked_attention_gives_the_growing_caches_tokens(compiled, monkeypatch):
+    """A prompt longer than one causal block: the prefill runs in blocks, compiled or eagerly."""
+    from opus.models import attention
+
+    model = tiny_lm("llama")
+    ids = prompts(2, attention.CAUSAL_BLOCK + 30)
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    ran: list[str] = []
+    real = attention.causal_blocks  # traced (compiled) or run (eager): either way called
+    monkeypatch.setattr(attention, "causal_blocks", lambda *a: ran.append("causal_blocks") or real(*a))
+    want = generate(model, ids, 6, cache_factory(model), return_logits=True)
+    config = cache_config(compiled, slot_multiple=128, compile_prefill=True, attention="blocked")
+    got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
+    assert static_cache.NOTES == []  # compiled where asked, not the eager fallback
+    assert ran
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)

@@ -34,7 +34,8 @@ def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_pat
     assert step["kind"] == "kv_cache" and chosen["kind"] in ("pooled", "growing", "static", "by_batch")
     assert step["sizing"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # layers x KV heads x head dim x fp32
     report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
-    assert len(report["candidates"]) == 4 * 2  # (2 pooled + growing + static) x 2 batch sizes
+    # (2 pooled + growing + static with torch's attention and with the blocked kernels) x 2 batch sizes
+    assert len(report["candidates"]) == 5 * 2
     assert all(c["throughput_tok_s"] > 0 for c in report["candidates"])
     decisions = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
     assert [d["what"] for d in decisions] == ["KV cache at batch 1", "KV cache at batch 2"]
