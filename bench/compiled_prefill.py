@@ -10,7 +10,9 @@ also compiles):
 - ``static, compiled decode``: the quantized model, decode steps compiled, prefill eager;
 - ``static, compiled prefill and decode``: the same with the prompt padded to its bucket and compiled;
 - ``… blocked attention``: the same with Opus's blocked causal attention at prefill
-  (opus.models.attention: query blocks that skip the keys after them) in place of torch's SDPA.
+  (opus.models.attention: query blocks that skip the keys after them) in place of torch's SDPA;
+- ``… and bf16 K/V``: the same with the cache keeping K/V in bfloat16 (decode attention as two bf16
+  matmuls; lossy: its perplexity through the cache against the growing cache's is printed too).
 
 Per contender: median prefill ms (D at batch 1), median decode tokens/s, P (tokens of the batch over
 the whole generate), each as a ratio to fp32 eager in the same rounds, and the greedy tokens' match
@@ -50,10 +52,11 @@ from opus.quant.apply import quantize_model  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
 from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.engine import generate  # noqa: E402
+from opus.runtime.kv_fidelity import FIDELITY_BLOCKS, FIDELITY_LEN, ppl_through_cache  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
-              "… blocked attention")
+              "… blocked attention", "… and bf16 K/V")
 
 
 def optimized(base: torch.nn.Module, calib: torch.Tensor, fmt: str, prefill_experts: str = "sorted") -> torch.nn.Module:
@@ -124,7 +127,8 @@ def main() -> None:
         print(f"compiled_prefill: --prefill-experts {args.prefill_experts}: {why}", file=sys.stderr)
         raise SystemExit(2)
     caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True),
-              CONTENDERS[3]: static.cache_config(True, compile_prefill=True, attention="blocked")}
+              CONTENDERS[3]: static.cache_config(True, compile_prefill=True, attention="blocked"),
+              CONTENDERS[4]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="bfloat16")}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
         runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
@@ -137,6 +141,9 @@ def main() -> None:
             for name in CONTENDERS[2:]:
                 agree, gap = prefill_gap(model, prompts[:batch], [caches[CONTENDERS[1]], caches[name]])
                 table[batch][name].update(agree=agree, gap=gap)
+    held_out = prompts[:FIDELITY_BLOCKS, :FIDELITY_LEN]
+    ppl = {"growing": ppl_through_cache(model, held_out, None),
+           "bf16": ppl_through_cache(model, held_out, caches[CONTENDERS[4]])}
     print(f"\n{describe(record['machine'])}")
     print(f"{args.model}: {args.format} + fusion, {args.prefill_experts} experts at prefill; "
           f"input {args.input_len}, output {args.output_len}, "
@@ -153,6 +160,9 @@ def main() -> None:
             print(f"{name:<38}{batch:>6}{row['prefill_ms']:>11.1f}{row['prefill_ms'] / ref['prefill_ms']:>6.2f}"
                   f"{row['decode_tok_s']:>13.1f}{row['decode_tok_s'] / ref['decode_tok_s']:>6.2f}"
                   f"{row['p_tok_s']:>9.1f}{row['p_tok_s'] / ref['p_tok_s']:>6.2f}  {same}")
+    print(f"perplexity of the held-out text decoded through the cache ({FIDELITY_BLOCKS} × {FIDELITY_LEN} tokens, "
+          f"second half teacher-forced): growing cache {ppl['growing']:.4f}, "
+          f"bf16 K/V {ppl['bf16']:.4f} ({ppl['bf16'] / ppl['growing'] - 1:+.3%})")
 
 
 if __name__ == "__main__":

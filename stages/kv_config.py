@@ -4,7 +4,9 @@ Candidates come from the registry of cache kinds (``opus.kv.cache.registered_kin
 turns this stage's settings into configs to measure and says why one cannot run for the model.
 Opus's own: the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, the static
 cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only; once with
-torch's attention and once with Opus's blocked causal attention, ``static_attention``), and
+torch's attention and once with Opus's blocked causal attention, ``static_attention``; and with K/V
+kept in bfloat16, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
+is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json), and
 the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
 or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
 ``unavailable`` in ``kv_config.json`` with the reason. They run the pipeline's workload (or the
@@ -47,7 +49,7 @@ VERSION = "1"
 ROLE = "transform"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
 METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "kv_batch_size",
                      "kv_bytes_per_token", "kv_pooled", "kv_exact_match", "kv_by_batch",
-                     "kv_speedup_vs_growing", "kv_speedup_vs_growing_b*"})
+                     "kv_speedup_vs_growing", "kv_speedup_vs_growing_b*", "kv_ppl_increase"})
 MB = 1 << 20
 
 
@@ -70,6 +72,12 @@ class Config(BaseModel):
     # (opus.models.attention: a causal prefill in query blocks; CPU only).
     static_attention: list[Literal["sdpa", "blocked"]] = Field(default_factory=lambda: ["sdpa", "blocked"],
                                                                min_length=1)
+    # The dtypes it may keep K/V in, each a candidate: null = the model's; bfloat16/float16 halve the
+    # bytes a decode step reads, and are lossy: such a cache races only if the perplexity of text decoded
+    # through it (teacher-forced, opus.runtime.kv_fidelity) is within max_kv_ppl_increase of the growing cache's.
+    static_kv_dtypes: list[Literal["bfloat16", "float16"] | None] = Field(default_factory=lambda: [None],
+                                                                         min_length=1)
+    max_kv_ppl_increase: float = Field(0.005, ge=0)  # relative: 0.005 = +0.5 %
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
     cuda_graph: bool | None = None
@@ -189,6 +197,36 @@ def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return by_batch_config([*rules[:-1], (None, rules[-1][1])])
 
 
+def _faithful(ctx: StageContext, model: Any, tokenizer: Any, candidates: list[dict[str, Any]],
+              cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """The candidates that keep K/V narrower than the model measured for perplexity through the cache
+    (opus.runtime.kv_fidelity) against the growing cache: (those that may race, those refused with the reason,
+    each lossy cache's figures by label)."""
+    from opus.runtime.kv_fidelity import FIDELITY_LEN, ppl_through_cache, text_or_random
+    from opus.runtime.metrics import vocab_size
+
+    blocks, source = text_or_random(ctx.spec.data.evaluation, tokenizer, ctx.base_dir, vocab_size(model),
+                                    FIDELITY_LEN, cfg.seed)
+    reference = ppl_through_cache(model, blocks, None)
+    kept, refused, figures = [], [], {}
+    for cache in candidates:
+        if not cache.get("kv_dtype"):
+            kept.append(cache)
+            continue
+        ppl = ppl_through_cache(model, blocks, cache)
+        increase = ppl / reference - 1
+        figures[_label(cache)] = {"ppl": ppl, "reference_ppl": reference, "increase": increase, "text": source}
+        ctx.log(f"KV cache {_label(cache)}: perplexity through the cache {ppl:.4f} against {reference:.4f} "
+                f"(growing cache, {source}): {increase:+.3%}")
+        if increase > cfg.max_kv_ppl_increase:
+            refused.append({"cache": cache, "skipped": f"perplexity through the cache {increase:+.3%} over the "
+                                                       f"growing cache's, beyond max_kv_ppl_increase "
+                                                       f"{cfg.max_kv_ppl_increase:.3%}"})
+        else:
+            kept.append(cache)
+    return kept, refused, figures
+
+
 def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: int, vocab: int, seed: int) -> float:
     """Greedy tokens through the row's cache vs the growing cache, at its batch size (1.0 = identical)."""
     from opus.kv.cache import cache_factory
@@ -211,7 +249,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus.runtime.engine import model_device, supports_cache
     from opus.runtime.metrics import Progress, vocab_size
 
-    model = ctx.load_model().model
+    loaded = ctx.load_model()
+    model = loaded.model
     mc = getattr(model, "config", None)
     if not supports_cache(model) or not all(hasattr(mc, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
         raise ValueError(f"kv_config needs Opus's LM interface (a KV cache and config.num_layers/num_kv_heads/"
@@ -230,6 +269,10 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     batches = sorted(set(cfg.batch_sizes or [1, wl.batch_size]))
     replay = source_artifact(ctx, KV_CONFIG_FILE)  # run.decisions_from: that run's caches
     candidates, unavailable = ([], []) if replay else _candidates(cfg, max_ctx, model)
+    fidelity: dict[str, Any] = {}
+    if any(c.get("kv_dtype") for c in candidates):
+        candidates, refused, fidelity = _faithful(ctx, model, loaded.tokenizer, candidates, cfg)
+        unavailable += refused
     for row in unavailable:  # never silently: logged, and listed in kv_config.json
         ctx.log(f"KV cache {_label(row['cache'])} skipped: {row['skipped']}")
     plans = _replayed(replay, batches) if replay else dict.fromkeys(batches, candidates)
@@ -267,7 +310,10 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         "kv_throughput_tok_s": best["throughput_tok_s"], "kv_peak_mem_mb": best.get("peak_mem_mb"),
         "kv_max_batch": best["max_batch"], "kv_batch_size": best["batch_size"], "kv_bytes_per_token": per_token,
         "kv_pooled": float(best["cache"]["kind"] == "pooled"), "kv_exact_match": match,
-        "kv_by_batch": float(chosen["kind"] == "by_batch")}
+        "kv_by_batch": float(chosen["kind"] == "by_batch"),
+        # the chosen caches' perplexity through the cache over the growing cache's (0: none keeps K/V narrower)
+        "kv_ppl_increase": max((fidelity[_label(r["cache"])]["increase"] for r in winners.values()
+                                if _label(r["cache"]) in fidelity), default=0.0)}
     for batch, row in winners.items():
         growing = [r for r in measured if r["cache"]["kind"] == "growing" and r["batch_size"] == batch]
         if growing:
@@ -280,7 +326,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     ctx.write_artifact(KV_CONFIG_FILE, {"chosen": chosen, "sizing": sizing, "candidates": rows,
                                           "unavailable": unavailable,
                                           "winners": {str(b): r["cache"] for b, r in winners.items()},
-                                          "notes": notes,
+                                          "notes": notes, "kv_fidelity": fidelity,
                                           "workload": {"input_len": input_len, "output_len": output_len,
                                                        "batch_sizes": batches, "rounds": rounds}})
     write_decisions(ctx, decisions)

@@ -27,7 +27,11 @@ same padded prefill eagerly, with the reason in ``notes``.
 
 ``attention: blocked`` runs the causal prefill's attention through Opus's own kernel
 (``opus.models.attention``: query blocks that skip the keys after them) instead of torch's SDPA;
-compiled graphs are kept per kernel.
+compiled graphs are kept per kernel. ``kv_dtype: bfloat16`` (or ``float16``) keeps K and V in that
+dtype: half the bytes a decode step reads, which bounds a batched CPU step; the step's masked
+attention then runs as two matmuls in that dtype (``opus.models.attention.narrow_kv_attention``),
+while a prompt attends to its own keys as computed. It is lossy: kv_config measures its perplexity
+through the cache before it may race.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ KIND = "static"
 PROVIDER = "opus.kv.static"
 DEFAULT_SLOT_MULTIPLE = 128
 MIN_PREFILL_BUCKET = 16
+RECOMPILE_LIMIT = 32
 Step = Callable[..., torch.Tensor]
 Steps = weakref.WeakKeyDictionary[nn.Module, dict[str, Step]]  # per model, per attention kernel
 _STEPS: Steps = weakref.WeakKeyDictionary()
@@ -87,8 +92,8 @@ class DecodeView(CacheBase):
         self.mask: torch.Tensor | None = key_pos[None, :] <= positions[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k[layer].index_copy_(2, self.positions, k)
-        self.v[layer].index_copy_(2, self.positions, v)
+        self.k[layer].index_copy_(2, self.positions, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, self.positions, v.to(self.v[layer].dtype))
         return self.k[layer], self.v[layer]
 
 
@@ -97,7 +102,7 @@ class PrefillView(CacheBase):
     every layer (a static slice), causal attention, and the index of the last real token."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], length: int, last_index: torch.Tensor,
-                 attention: str = "sdpa") -> None:
+                 attention: str = "sdpa", kv_dtype: str | None = None) -> None:
         self.k, self.v, self.length, self.attention = k, v, length, attention
         self.last_index: torch.Tensor | None = last_index
         self._slots = torch.arange(length, device=last_index.device)
@@ -105,8 +110,11 @@ class PrefillView(CacheBase):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_copy_ into the whole graph input, not copy_ into a slice: the slice's write-back
         # would copy every slot of the layer.
-        self.k[layer].index_copy_(2, self._slots, k)
-        self.v[layer].index_copy_(2, self._slots, v)
+        narrow = self.k[layer].dtype != k.dtype
+        self.k[layer].index_copy_(2, self._slots, k.to(self.k[layer].dtype))
+        self.v[layer].index_copy_(2, self._slots, v.to(self.v[layer].dtype))
+        if narrow:  # the prompt attends to its keys as computed (each slot it sees it has just written)
+            return k, v
         return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
 
 
@@ -118,13 +126,14 @@ class CompiledStaticKVCache(CacheBase):
 
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False,
-                 attention: str = "sdpa") -> None:
+                 attention: str = "sdpa", kv_dtype: str | None = None) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
         dims = (shape.batch_size, shape.num_kv_heads, slots, shape.head_dim)
-        self.k = [torch.zeros(dims, device=shape.device, dtype=shape.dtype) for _ in range(shape.num_layers)]
-        self.v = [torch.zeros(dims, device=shape.device, dtype=shape.dtype) for _ in range(shape.num_layers)]
+        dtype = kv_dtype_of(kv_dtype, shape.dtype)
+        self.k = [torch.zeros(dims, device=shape.device, dtype=dtype) for _ in range(shape.num_layers)]
+        self.v = [torch.zeros(dims, device=shape.device, dtype=dtype) for _ in range(shape.num_layers)]
         self.key_pos = torch.arange(slots, device=shape.device)
         self.position = torch.zeros(1, dtype=torch.long, device=shape.device)
         self.compile_decode = compile_decode
@@ -147,6 +156,8 @@ class CompiledStaticKVCache(CacheBase):
         self.k[layer][:, :, start:end].copy_(k)
         self.v[layer][:, :, start:end].copy_(v)
         self._lens[layer] = end
+        if start == 0 and self.k[layer].dtype != k.dtype:  # as PrefillView: the prompt's keys as computed
+            return k, v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def decode_step(self, model: nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
@@ -240,6 +251,9 @@ def compile_step(fn: Step, dynamic: bool | None = False) -> Step:
     its own. ``dynamic``: as torch.compile's (None lets ``mark_dynamic`` dimensions stay symbolic).
     """
     options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    # One graph per (batch, bucket, slots, K/V dtype): a process that measures several caches (kv_config,
+    # the benches) passes dynamo's default of 8 graphs per step, and fullgraph then fails to eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(_own_code(fn), fullgraph=True, dynamic=dynamic, options=options)
 
 
@@ -269,6 +283,18 @@ def compile_notes() -> list[str]:
     return list(dict.fromkeys(NOTES))
 
 
+KV_DTYPES = ("bfloat16", "float16")
+
+
+def kv_dtype_of(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the cache keeps K and V in: ``name`` (one of ``KV_DTYPES``), or the model's when None."""
+    if name is None:
+        return model_dtype
+    if name not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or absent: the model's), got {name!r}")
+    return getattr(torch, name)
+
+
 def slot_multiple_of(options: dict[str, Any]) -> int:
     multiple = options.get("slot_multiple", DEFAULT_SLOT_MULTIPLE)
     if not isinstance(multiple, int) or multiple < 1:
@@ -286,12 +312,13 @@ def decoder_reason(model: nn.Module) -> str | None:
 
 class _StaticKind(KindBase):
     name, provider, simplicity = KIND, PROVIDER, 2
-    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention")
+    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype")
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         self.check_options(options)
         return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options),
-                                     bool(options.get("compile_prefill", False)), options.get("attention", "sdpa"))
+                                     bool(options.get("compile_prefill", False)), options.get("attention", "sdpa"),
+                                     options.get("kv_dtype"))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # The context rounded up to whole slot multiples, allocated at once.
@@ -301,11 +328,12 @@ class _StaticKind(KindBase):
         compiled = [what for what, key, default in (("prefill", "compile_prefill", False), ("decode", "compile", True))
                     if options.get(key, default)]
         kernel = ", blocked attention" if options.get("attention", "sdpa") == "blocked" else ""
-        return (f"static, compiled {' and '.join(compiled)}" if compiled else "static") + kernel
+        narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
+        return (f"static, compiled {' and '.join(compiled)}" if compiled else "static") + kernel + narrow
 
     def simplicity_of(self, options: dict[str, Any]) -> int:
         blocked = options.get("attention", "sdpa") == "blocked"
-        return self.simplicity + bool(options.get("compile_prefill")) + blocked
+        return self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype"))
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         if not settings.get("include_static", True):
@@ -313,7 +341,9 @@ class _StaticKind(KindBase):
         multiple = int(settings.get("static_slot_multiple", DEFAULT_SLOT_MULTIPLE))
         prefills = [False, True] if settings.get("include_static_prefill", False) else [False]
         kernels = [check_kernel(k) for k in settings.get("static_attention", ["sdpa"])]
-        return [cache_config(True, multiple, prefill, kernel) for prefill in prefills for kernel in kernels]
+        dtypes = settings.get("static_kv_dtypes", [None])
+        return [cache_config(True, multiple, prefill, kernel, dtype)
+                for dtype in dtypes for prefill in prefills for kernel in kernels]
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
         if options.get("attention", "sdpa") == "blocked":
@@ -327,8 +357,11 @@ STATIC = register_kind(_StaticKind())
 
 
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
-                 compile_prefill: bool = False, attention: str = "sdpa") -> dict[str, Any]:
+                 compile_prefill: bool = False, attention: str = "sdpa", kv_dtype: str | None = None) -> dict[str, Any]:
     # Options at their defaults are left out: the configs of old stay as they were.
     prefill = {"compile_prefill": True} if compile_prefill else {}
     kernel = {"attention": check_kernel(attention)} if attention != "sdpa" else {}
-    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel)
+    if kv_dtype is not None:
+        kv_dtype_of(kv_dtype, torch.float32)  # a misspelt dtype fails here, not when a cache is built
+    narrow = {"kv_dtype": kv_dtype} if kv_dtype else {}
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow)

@@ -38,6 +38,19 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return None
 
 
+def narrow_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``q [B, H, T, D]`` over a cache's narrower ``k, v [B, KV, S, D]`` where ``mask [T, S]`` lets it see:
+    two matmuls in the cache's dtype, the softmax in ``q``'s (the scores are widened first)."""
+    b, heads, t, d = q.shape
+    kv_heads, slots = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    rows = q.reshape(b * kv_heads, group * t, d).to(k.dtype)
+    scores = torch.bmm(rows, k.reshape(b * kv_heads, slots, d).transpose(1, 2)).to(q.dtype) * d**-0.5
+    probs = torch.softmax(scores + bias.repeat(group, 1), dim=-1).to(v.dtype)
+    return torch.bmm(probs, v.reshape(b * kv_heads, slots, d)).to(q.dtype).view(b, heads, t, d)
+
+
 def causal_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = CAUSAL_BLOCK) -> torch.Tensor:
     """Causal attention of ``q [B, H, T, D]`` over its own ``k, v [B, KV, T, D]``, ``block`` queries at a time."""
     b, heads, t, d = q.shape

@@ -264,3 +264,19 @@ def test_blocked_attention_gives_the_growing_caches_tokens(compiled, monkeypatch
     assert ran
     assert torch.equal(got.tokens, want.tokens)
     assert torch.allclose(got.logits, want.logits, atol=1e-5)
+
+
+def test_a_bfloat16_cache_keeps_half_the_bytes_and_close_logits():
+    model = tiny_lm("llama")
+    ids = prompts(2, 20)
+    narrow = cache_factory(model, cache_config(False, slot_multiple=16, kv_dtype="bfloat16"))(2, 32)
+    wide = cache_factory(model, cache_config(False, slot_multiple=16))(2, 32)
+    assert narrow.k[0].dtype == torch.bfloat16 and narrow.nbytes() * 2 == wide.nbytes()
+    want = generate(model, ids, 6, cache_factory(model), return_logits=True)
+    got = generate(model, ids, 6, cache_factory(model, cache_config(False, slot_multiple=16, kv_dtype="bfloat16")),
+                   return_logits=True)
+    assert torch.equal(got.logits[:, 0], want.logits[:, 0])  # the prompt attends to its keys as computed
+    assert not torch.equal(got.logits, want.logits)  # decode steps read the rounded K/V
+    assert torch.allclose(got.logits, want.logits, atol=5e-2)
+    with pytest.raises(ValueError, match="kv_dtype must be one of bfloat16, float16"):
+        cache_config(kv_dtype="int3")

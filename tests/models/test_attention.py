@@ -38,3 +38,16 @@ def test_cases_the_kernel_does_not_cover_fall_back_to_sdpa():
 def test_an_unknown_kernel_is_named():
     with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, got 'flash'"):
         check_kernel("flash")
+
+
+def test_attention_over_narrower_kv_gives_sdpa_over_the_same_values():
+    from opus.models.attention import narrow_kv_attention
+
+    q, k, v = qkv(3, 8, 2, 1, 40)
+    mask = torch.arange(40)[None, :] <= 17
+    kb, vb = k.bfloat16(), v.bfloat16()
+    want = attend(q, kb.float(), vb.float(), False, True, mask)  # the same stored values, in fp32 throughout
+    got = narrow_kv_attention(q, kb, vb, mask)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # q and the probabilities rounded to bf16
+    torch.testing.assert_close(attend(q, kb, vb, False, True, mask), got)  # attend takes this path itself

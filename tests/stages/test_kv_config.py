@@ -134,3 +134,26 @@ def test_the_cuda_graph_kind_is_a_candidate_uncaptured_on_cpu_or_skipped_with_th
     decisions = json.loads((tmp_path / "cpu" / "artifacts" / "decisions.json").read_text())["decisions"]
     assert all(any(c["name"] == graph_rows[0]["label"] for c in d["candidates"]) for d in decisions)
     assert result.metrics["kv_exact_match"] == 1.0  # whichever won computes the growing cache's tokens
+
+
+def test_a_lossy_cache_races_only_within_its_perplexity_limit(tmp_path, monkeypatch):
+    from opus.runtime import kv_fidelity as fidelity
+
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
+    narrow = {**SMALL, "batch_sizes": [2], "static_attention": ["sdpa"], "static_kv_dtypes": [None, "bfloat16"]}
+    kv_config.run(context(pipeline, tmp_path / "a", "kv"), kv_config.Config(**narrow))
+    report = json.loads((tmp_path / "a" / "artifacts" / "kv_config.json").read_text())
+    labels = [c["label"] for c in report["candidates"]]
+    assert "static compile True, slot_multiple 128, kv_dtype bfloat16" in labels  # measured, then raced
+    [figures] = report["kv_fidelity"].values()
+    assert abs(figures["increase"]) < 0.005 and figures["text"] in ("evaluation text", "random token ids")
+
+    real = fidelity.ppl_through_cache  # a cache made 3 % worse: refused, with the figure, before any race
+    monkeypatch.setattr(fidelity, "ppl_through_cache",
+                        lambda m, b, c: real(m, b, c) * (1.03 if c and c.get("kv_dtype") else 1.0))
+    result = kv_config.run(context(pipeline, tmp_path / "b", "kv"), kv_config.Config(**narrow))
+    report = json.loads((tmp_path / "b" / "artifacts" / "kv_config.json").read_text())
+    assert all("kv_dtype" not in c["cache"] for c in report["candidates"])
+    [refused] = [u for u in report["unavailable"] if "kv_dtype" in u["cache"]]
+    assert "beyond max_kv_ppl_increase 0.500%" in refused["skipped"]
+    assert result.metrics["kv_ppl_increase"] == 0.0  # nothing chosen keeps K/V narrower
