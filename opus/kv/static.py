@@ -102,7 +102,7 @@ class PrefillView(CacheBase):
     every layer (a static slice), causal attention, and the index of the last real token."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], length: int, last_index: torch.Tensor,
-                 attention: str = "sdpa", kv_dtype: str | None = None) -> None:
+                 attention: str = "sdpa") -> None:
         self.k, self.v, self.length, self.attention = k, v, length, attention
         self.last_index: torch.Tensor | None = last_index
         self._slots = torch.arange(length, device=last_index.device)

@@ -278,5 +278,11 @@ def test_a_bfloat16_cache_keeps_half_the_bytes_and_close_logits():
     assert torch.equal(got.logits[:, 0], want.logits[:, 0])  # the prompt attends to its keys as computed
     assert not torch.equal(got.logits, want.logits)  # decode steps read the rounded K/V
     assert torch.allclose(got.logits, want.logits, atol=5e-2)
+    with torch.inference_mode():  # a prompt in two pieces: the second reads the stored K/V, widened
+        model(ids[:, :12], cache=narrow, start_pos=0)
+        second = model(ids[:, 12:], cache=narrow, start_pos=12)
+        growing = cache_factory(model)(2, 32)
+        model(ids[:, :12], cache=growing, start_pos=0)
+        assert torch.allclose(second, model(ids[:, 12:], cache=growing, start_pos=12), atol=5e-2)
     with pytest.raises(ValueError, match="kv_dtype must be one of bfloat16, float16"):
         cache_config(kv_dtype="int3")
