@@ -110,7 +110,8 @@ def test_choice_is_measured_per_phase_and_replays() -> None:
     assert choice is not None and choice.runnable == list(EXPERT_MODES) and choice.unavailable == {}
     assert [d.what for d in choice.decisions] == ["MoE experts mode at prefill", "MoE experts mode at decode"]
     for decision in choice.decisions:
-        assert {name: len(rounds) for name, rounds in decision.samples.items()} == dict.fromkeys(EXPERT_MODES, 2)
+        assert list(decision.samples) == list(EXPERT_MODES)
+        assert {len(rounds) for rounds in decision.samples.values()} in ({2}, {4})  # 4: measured once more
     assert choice.modes == {"prefill": choice.decisions[0].winner, "decode": choice.decisions[1].winner}
     assert all(m.modes == choice.modes for _, m in grouped_moes(outcome.model))
     step = outcome.step(None, choice.modes)

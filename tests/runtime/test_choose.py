@@ -139,3 +139,22 @@ def test_a_replayed_decision_names_its_source_from_the_run_directory_on() -> Non
     assert run_relative("runs/k3-1/artifacts/plan/plan.yaml") == "runs/k3-1/artifacts/plan/plan.yaml"
     record = replayed("plan", "plan.yaml", "/abs/runs/k3-1/artifacts/plan/plan.yaml").record()
     assert "/abs" not in str(record) and record["replayed_from"] == "k3-1/artifacts/plan/plan.yaml"
+
+
+def test_a_pick_the_noise_handed_to_the_simpler_is_measured_once_more() -> None:
+    # A burst in the first five rounds ties a 20 % faster option with a simpler one; calm rounds part them.
+    burst_fast, burst_simple = [1.0, 1.5, 0.7, 1.4, 1.0], [1.2, 1.8, 0.9, 1.6, 1.2]
+    options, calls = fixed({"fast": [9.0, *burst_fast, *[1.0] * 5], "simple": [9.0, *burst_simple, *[1.2] * 5]})
+    options = [Option("fast", options[0].run, simplicity=1), Option("simple", options[1].run, simplicity=0)]
+    d = decide("x", options, 5, timer=reported)
+    assert len(calls) == 2 * (1 + 5 + 5) and d.winner == "fast"
+    assert len(d.samples["fast"]) == 10 and "over 10 rounds: the first 5 had a" in d.reason
+
+
+def test_a_calm_tie_or_a_fastest_winner_is_not_measured_again() -> None:
+    options, calls = fixed({"a": [9.0, *[1.0] * 5, 5.0], "b": [9.0, *[1.01] * 5, 5.0]})
+    d = decide("x", [Option("a", options[0].run, simplicity=1), Option("b", options[1].run)], 5, timer=reported)
+    assert d.winner == "b" and len(calls) == 12  # a narrow margin: the simpler keeps the tie, once measured
+    noisy, calls = fixed({"a": [9.0, 1.0, 1.5, 0.7, 1.4, 1.0], "b": [9.0, 1.2, 1.8, 0.9, 1.6, 1.2]})
+    d = decide("x", noisy, 5, timer=reported)  # equally simple: the fastest wins the tie, nothing to repeat
+    assert d.winner == "a" and len(calls) == 12

@@ -51,7 +51,8 @@ def test_compile_choice_is_a_recorded_decision_and_replays(pipeline, tmp_path):
                       compile={"enabled": True, "backend": "eager", "rounds": 3})  # eager: dynamo alone, quick
     result = fuse.run(context(pipeline, tmp_path / "out", "fuse"), cfg)
     (decision,) = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
-    assert {c["name"]: len(c["rounds"]) for c in decision["candidates"]} == {"eager": 3, "compiled": 3}
+    assert [c["name"] for c in decision["candidates"]] == ["eager", "compiled"]
+    assert {len(c["rounds"]) for c in decision["candidates"]} in ({3}, {6})  # 6: measured once more (choose)
     kept = decision["winner"] == "compiled"
     assert decision["winner"] in decision["tied"] and result.metrics["compile_kept"] == float(kept)
     record = json.loads((tmp_path / "out" / "artifacts" / "fusion.json").read_text())["compile"]

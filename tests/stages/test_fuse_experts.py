@@ -34,7 +34,8 @@ def test_modes_are_measured_recorded_and_replayed(pipeline, tmp_path):
     decisions = _artifact(tmp_path / "out", "decisions.json")["decisions"]
     assert [d["what"] for d in decisions] == ["MoE experts mode at prefill", "MoE experts mode at decode"]
     for decision in decisions:
-        assert {c["name"]: len(c["rounds"]) for c in decision["candidates"]} == dict.fromkeys(EXPERT_MODES, 2)
+        assert [c["name"] for c in decision["candidates"]] == list(EXPERT_MODES)
+        assert {len(c["rounds"]) for c in decision["candidates"]} in ({2}, {4})  # 4: measured once more (choose)
     modes = {"prefill": decisions[0]["winner"], "decode": decisions[1]["winner"]}
     assert record["modes"] == modes and result.recipe[0]["experts"] == modes
     assert all(m.modes == modes for _, m in grouped_moes(result.model))

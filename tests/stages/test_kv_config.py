@@ -41,7 +41,8 @@ def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_pat
     assert [d["what"] for d in decisions] == ["KV cache at batch 1", "KV cache at batch 2"]
     for batch, decision in zip((1, 2), decisions):  # the recipe's cache at each batch size is the decision's
         rows = {c["label"]: c for c in report["candidates"] if c["batch_size"] == batch}
-        assert {c["name"]: len(c["rounds"]) for c in decision["candidates"]} == dict.fromkeys(rows, 3)
+        assert {c["name"] for c in decision["candidates"]} == set(rows)
+        assert {len(c["rounds"]) for c in decision["candidates"]} in ({3}, {6})  # 6: measured once more (choose)
         assert decision["winner"] in decision["tied"]
         won = rows[decision["winner"]]["cache"]
         assert report["winners"][str(batch)] == won
