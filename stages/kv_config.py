@@ -159,7 +159,8 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
         return Option(label, run, simplicity=_kind(row["cache"]).simplicity_of(_options(row["cache"])))
 
     options = [option(row) for row in rows]
-    decision = decide(f"KV cache at batch {prompts.shape[0]}", options, rounds, warmup=warmup, timer=reported)
+    decision = decide(f"KV cache at batch {prompts.shape[0]}", options, rounds, warmup=warmup, timer=reported,
+                      on_repeat=lambda: progress.expect(len(rows) * rounds * output_len))
     for row, opt in zip(rows, options):
         row.update(throughput_figures(runs[opt.name][warmup:], output_len), label=opt.name)
     return decision, next(row for row, opt in zip(rows, options) if opt.name == decision.winner)

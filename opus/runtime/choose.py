@@ -175,13 +175,16 @@ def decide_from(what: str, options: Iterable[Option], samples: dict[str, list[fl
 
 def decide(what: str, options: list[Option], rounds: int = DEFAULT_ROUNDS, *, warmup: int = 1,
            timer: Timer = wall_clock, unit: str = "s", min_margin: float = MIN_MARGIN,
-           progress: Progress | None = None) -> Decision:
-    """Time the options in interleaved rounds and pick by the rule in this module's docstring."""
+           progress: Progress | None = None, on_repeat: Callable[[], None] | None = None) -> Decision:
+    """Time the options in interleaved rounds and pick by the rule in this module's docstring;
+    ``on_repeat`` is called before rule 5 runs the rounds again (a caller's progress expects more)."""
     samples = interleave(options, rounds, warmup=warmup, timer=timer, progress=progress, what=what)
     decision = decide_from(what, options, samples, unit=unit, min_margin=min_margin)
     fastest = min(decision.medians, key=lambda n: (decision.medians[n], n))
     if decision.margin <= WIDE_MARGIN or decision.winner == fastest:
         return decision
+    if on_repeat:
+        on_repeat()
     more = interleave(options, rounds, warmup=0, timer=timer, progress=progress, what=f"{what} (again)")
     first = decision.margin
     decision = decide_from(what, options, {n: samples[n] + more[n] for n in samples}, unit=unit,

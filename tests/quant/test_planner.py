@@ -143,7 +143,7 @@ def test_make_plan_on_a_tiny_moe(tmp_path) -> None:  # noqa: ANN001
     groups = {g["name"]: g for g in doc["groups"]}
     # Every group's kernel timing is a decision of the shared rule: interleaved rounds and a margin.
     assert sorted(d.what for d in decisions) == sorted(f"kernel formats: {name}" for name in groups)
-    assert all(len(v) == request.rounds for d in decisions for v in d.samples.values())
+    assert all(len(v) in (request.rounds, 2 * request.rounds) for d in decisions for v in d.samples.values())
     for d in decisions:  # where budget or rules overrule the group's own pick, its record says so
         fmt = groups[d.what.removeprefix("kernel formats: ")]["format"]
         assert d.winner == fmt or f"the plan has {fmt}" in d.reason
@@ -236,7 +236,8 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     assert "plan" in contenders and len(contenders) >= 2, doc["notes"]  # something was checked end to end
     check = decisions[-1]
     for name, row in contenders.items():  # batch ms: the median over rounds of prefill + 3 decode steps
-        assert row["batch_ms"] == round(check.medians[name], 2) and len(check.samples[name]) == request.rounds
+        assert row["batch_ms"] == round(check.medians[name], 2)
+        assert len(check.samples[name]) in (request.rounds, 2 * request.rounds)  # twice: measured once more
         assert row["prefill_ms"] > 0 and row["decode_step_ms"] > 0
     # The shared rule picked: of the contenders tied with the fastest, the one predicted most accurate.
     assert check.what == "end-to-end check" and check.winner == measured["kept"] and measured["margin"] >= 0.02

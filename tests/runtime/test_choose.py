@@ -146,7 +146,9 @@ def test_a_pick_the_noise_handed_to_the_simpler_is_measured_once_more() -> None:
     burst_fast, burst_simple = [1.0, 1.5, 0.7, 1.4, 1.0], [1.2, 1.8, 0.9, 1.6, 1.2]
     options, calls = fixed({"fast": [9.0, *burst_fast, *[1.0] * 5], "simple": [9.0, *burst_simple, *[1.2] * 5]})
     options = [Option("fast", options[0].run, simplicity=1), Option("simple", options[1].run, simplicity=0)]
-    d = decide("x", options, 5, timer=reported)
+    repeats: list[int] = []
+    d = decide("x", options, 5, timer=reported, on_repeat=lambda: repeats.append(len(calls)))
+    assert repeats == [2 * (1 + 5)]  # told before the second set of rounds, after the first
     assert len(calls) == 2 * (1 + 5 + 5) and d.winner == "fast"
     assert len(d.samples["fast"]) == 10 and "over 10 rounds: the first 5 had a" in d.reason
 
