@@ -11,8 +11,11 @@ also compiles):
 - ``static, compiled prefill and decode``: the same with the prompt padded to its bucket and compiled;
 - ``… blocked attention``: the same with Opus's blocked causal attention at prefill
   (opus.models.attention: query blocks that skip the keys after them) in place of torch's SDPA;
-- ``… and bf16 K/V``: the same with the cache keeping K/V in bfloat16 (decode attention as two bf16
-  matmuls; lossy: its perplexity through the cache against the growing cache's is printed too).
+- ``… and bf16 K/V``, ``… and int8 K/V``: the same with the cache keeping K/V in bfloat16, or in int8
+  with a scale per token and head (opus.kv.stored; decode attention as two matmuls); lossy: each
+  one's perplexity through the cache against the growing cache's is printed too.
+
+``--skip N`` leaves contender N out (0 is the baseline and stays; repeatable).
 
 Per contender: median prefill ms (D at batch 1), median decode tokens/s, P (tokens of the batch over
 the whole generate), each as a ratio to fp32 eager in the same rounds, and the greedy tokens' match
@@ -56,7 +59,8 @@ from opus.runtime.kv_fidelity import FIDELITY_BLOCKS, FIDELITY_LEN, ppl_through_
 from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
-              "… blocked attention", "… and bf16 K/V")
+              "… blocked attention", "… and bf16 K/V", "… and int8 K/V")
+LOSSY = {CONTENDERS[4]: "bf16", CONTENDERS[5]: "int8"}
 
 
 def optimized(base: torch.nn.Module, calib: torch.Tensor, fmt: str, prefill_experts: str = "sorted") -> torch.nn.Module:
@@ -108,6 +112,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip", type=int, action="append", default=[], choices=range(1, len(CONTENDERS)))
     parser.add_argument("--prefill-experts", default="compiled", choices=EXPERT_MODES,
                         help="a MoE's experts mode at prefill (the fuse stage measures it; here it is set)")
     args = parser.parse_args()
@@ -128,7 +133,9 @@ def main() -> None:
         raise SystemExit(2)
     caches = {CONTENDERS[1]: static.cache_config(True), CONTENDERS[2]: static.cache_config(True, compile_prefill=True),
               CONTENDERS[3]: static.cache_config(True, compile_prefill=True, attention="blocked"),
-              CONTENDERS[4]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="bfloat16")}
+              CONTENDERS[4]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="bfloat16"),
+              CONTENDERS[5]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="int8")}
+    caches = {name: c for name, c in caches.items() if CONTENDERS.index(name) not in args.skip}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
         runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
@@ -138,12 +145,13 @@ def main() -> None:
         for batch in sorted({1, args.batch}):
             seen = rounds(runs, prompts[:batch], args.output_len, args.repeats)
             table[batch] = {name: figures(results, batch, args.output_len) for name, results in seen.items()}
-            for name in CONTENDERS[2:]:
-                agree, gap = prefill_gap(model, prompts[:batch], [caches[CONTENDERS[1]], caches[name]])
+            for name in [n for n in CONTENDERS[2:] if n in caches]:
+                agree, gap = prefill_gap(model, prompts[:batch], [static.cache_config(True), caches[name]])
                 table[batch][name].update(agree=agree, gap=gap)
     held_out = prompts[:FIDELITY_BLOCKS, :FIDELITY_LEN]
-    ppl = {"growing": ppl_through_cache(model, held_out, None),
-           "bf16": ppl_through_cache(model, held_out, caches[CONTENDERS[4]])}
+    ppl = {"growing": ppl_through_cache(model, held_out, None)}
+    ppl.update({short: ppl_through_cache(model, held_out, caches[name]) for name, short in LOSSY.items()
+                if name in caches})
     print(f"\n{describe(record['machine'])}")
     print(f"{args.model}: {args.format} + fusion, {args.prefill_experts} experts at prefill; "
           f"input {args.input_len}, output {args.output_len}, "
@@ -161,8 +169,9 @@ def main() -> None:
                   f"{row['decode_tok_s']:>13.1f}{row['decode_tok_s'] / ref['decode_tok_s']:>6.2f}"
                   f"{row['p_tok_s']:>9.1f}{row['p_tok_s'] / ref['p_tok_s']:>6.2f}  {same}")
     print(f"perplexity of the held-out text decoded through the cache ({FIDELITY_BLOCKS} × {FIDELITY_LEN} tokens, "
-          f"second half teacher-forced): growing cache {ppl['growing']:.4f}, "
-          f"bf16 K/V {ppl['bf16']:.4f} ({ppl['bf16'] / ppl['growing'] - 1:+.3%})")
+          f"second half teacher-forced): growing cache {ppl['growing']:.4f}"
+          + "".join(f", {short} K/V {ppl[short]:.4f} ({ppl[short] / ppl['growing'] - 1:+.3%})"
+                    for short in LOSSY.values() if short in ppl))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ turns this stage's settings into configs to measure and says why one cannot run 
 Opus's own: the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, the static
 cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only; once with
 torch's attention and once with Opus's blocked causal attention, ``static_attention``; and with K/V
-kept in bfloat16, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
+kept in bfloat16 or int8, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
 is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json), and
 the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
 or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
@@ -73,9 +73,10 @@ class Config(BaseModel):
     static_attention: list[Literal["sdpa", "blocked"]] = Field(default_factory=lambda: ["sdpa", "blocked"],
                                                                min_length=1)
     # The dtypes it may keep K/V in, each a candidate: null = the model's; bfloat16/float16 halve the
-    # bytes a decode step reads, and are lossy: such a cache races only if the perplexity of text decoded
-    # through it (teacher-forced, opus.runtime.kv_fidelity) is within max_kv_ppl_increase of the growing cache's.
-    static_kv_dtypes: list[Literal["bfloat16", "float16"] | None] = Field(default_factory=lambda: [None],
+    # bytes a decode step reads, int8 (a scale per token and head, opus.kv.stored) quarters them; all are
+    # lossy: such a cache races only if the perplexity of text decoded through it (teacher-forced,
+    # opus.runtime.kv_fidelity) is within max_kv_ppl_increase of the growing cache's.
+    static_kv_dtypes: list[Literal["bfloat16", "float16", "int8"] | None] = Field(default_factory=lambda: [None],
                                                                          min_length=1)
     max_kv_ppl_increase: float = Field(0.005, ge=0)  # relative: 0.005 = +0.5 %
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and

@@ -27,11 +27,11 @@ same padded prefill eagerly, with the reason in ``notes``.
 
 ``attention: blocked`` runs the causal prefill's attention through Opus's own kernel
 (``opus.models.attention``: query blocks that skip the keys after them) instead of torch's SDPA;
-compiled graphs are kept per kernel. ``kv_dtype: bfloat16`` (or ``float16``) keeps K and V in that
-dtype: half the bytes a decode step reads, which bounds a batched CPU step; the step's masked
-attention then runs as two matmuls in that dtype (``opus.models.attention.narrow_kv_attention``),
-while a prompt attends to its own keys as computed. It is lossy: kv_config measures its perplexity
-through the cache before it may race.
+compiled graphs are kept per kernel. ``kv_dtype: bfloat16`` (or ``float16``, or ``int8`` with a
+scale per token and head: opus.kv.stored) keeps K and V narrower: a half or a quarter of the bytes a
+decode step keeps; the step's masked attention then runs as two matmuls
+(``opus.models.attention.dot_attention``), while a prompt attends to its own keys as computed. It is
+lossy: kv_config measures its perplexity through the cache before it may race.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
-from opus.models.attention import check_kernel
+from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
+from opus.models.attention import DOT, check_kernel
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
@@ -76,49 +77,80 @@ def max_batch(budget_bytes: int, per_token_bytes: int, context_len: int, slot_mu
     return max(0, budget_bytes // (per_token_bytes * slots_for(context_len, slot_multiple)))
 
 
-class DecodeView(CacheBase):
+class _Slots(CacheBase):
+    """Per-layer K/V buffers and, for int8 K/V, their scales (``2 × layers``: K's, then V's)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    scales: list[torch.Tensor]
+
+    def _scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.scales:
+            return None, None
+        return self.scales[layer], self.scales[len(self.k) + layer]
+
+    def _store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_scales, v_scales = self._scales(layer)
+        store(self.k[layer], k_scales, slots, k)
+        store(self.v[layer], v_scales, slots, v)
+
+    def _read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``end`` slots (all: None) of ``layer`` as attention reads them (int8 widened)."""
+        def first(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or end is None else t[:, :, :end]
+
+        k_scales, v_scales = self._scales(layer)
+        k, v = first(self.k[layer]), first(self.v[layer])
+        assert k is not None and v is not None
+        return widened(k, first(k_scales)), widened(v, first(v_scales))
+
+    def _narrow(self, layer: int, k: torch.Tensor) -> bool:
+        return self.k[layer].dtype != k.dtype
+
+
+class DecodeView(_Slots):
     """What the model sees during a compiled decode step: every slot, the position, the mask.
 
     One tensor per layer, not one for all layers: written in place through a view of a bigger
     buffer, the compiled step copied the whole cache each step (functionalization scatters the view
-    back into its base); a whole graph input is updated in place.
+    back into its base); a whole graph input is updated in place. With int8 K/V the step's attention
+    is ``dot`` (opus.models.attention) over the widened slots.
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], key_pos: torch.Tensor,
-                 positions: torch.Tensor, attention: str = "sdpa") -> None:
-        self.k, self.v, self.attention = k, v, attention
+                 positions: torch.Tensor, attention: str = "sdpa", scales: list[torch.Tensor] | None = None) -> None:
+        self.k, self.v, self.scales = k, v, scales or []
+        self.attention = DOT if self.scales else attention
         self.positions: torch.Tensor | None = positions
         # [T, S]: slot s is visible to the token at p iff s <= p.
         self.mask: torch.Tensor | None = key_pos[None, :] <= positions[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k[layer].index_copy_(2, self.positions, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(2, self.positions, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]
+        assert self.positions is not None
+        self._store(layer, self.positions, k, v)
+        return self._read(layer)
 
 
-class PrefillView(CacheBase):
+class PrefillView(_Slots):
     """What the model sees during a compiled prefill from position 0: the first ``length`` slots of
     every layer (a static slice), causal attention, and the index of the last real token."""
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], length: int, last_index: torch.Tensor,
-                 attention: str = "sdpa") -> None:
-        self.k, self.v, self.length, self.attention = k, v, length, attention
+                 attention: str = "sdpa", scales: list[torch.Tensor] | None = None) -> None:
+        self.k, self.v, self.length, self.attention, self.scales = k, v, length, attention, scales or []
         self.last_index: torch.Tensor | None = last_index
         self._slots = torch.arange(length, device=last_index.device)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # index_copy_ into the whole graph input, not copy_ into a slice: the slice's write-back
         # would copy every slot of the layer.
-        narrow = self.k[layer].dtype != k.dtype
-        self.k[layer].index_copy_(2, self._slots, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(2, self._slots, v.to(self.v[layer].dtype))
-        if narrow:  # the prompt attends to its keys as computed (each slot it sees it has just written)
+        self._store(layer, self._slots, k, v)
+        if self._narrow(layer, k):  # the prompt attends to its keys as computed (each slot it has just written)
             return k, v
         return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
 
 
-class CompiledStaticKVCache(CacheBase):
+class CompiledStaticKVCache(_Slots):
     """Preallocated K/V for every layer; eager ``update`` for prefill, ``decode_step`` (one compiled
     graph, or the same step eagerly) for decoding."""
 
@@ -134,6 +166,7 @@ class CompiledStaticKVCache(CacheBase):
         dtype = kv_dtype_of(kv_dtype, shape.dtype)
         self.k = [torch.zeros(dims, device=shape.device, dtype=dtype) for _ in range(shape.num_layers)]
         self.v = [torch.zeros(dims, device=shape.device, dtype=dtype) for _ in range(shape.num_layers)]
+        self.scales = scale_buffers(dims, int(shape.num_layers), dtype, shape.dtype, shape.device)
         self.key_pos = torch.arange(slots, device=shape.device)
         self.position = torch.zeros(1, dtype=torch.long, device=shape.device)
         self.compile_decode = compile_decode
@@ -153,12 +186,11 @@ class CompiledStaticKVCache(CacheBase):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         start, end = self._lens[layer], self._lens[layer] + k.shape[2]
         self._check(end, k.shape[0])
-        self.k[layer][:, :, start:end].copy_(k)
-        self.v[layer][:, :, start:end].copy_(v)
+        self._store(layer, self.key_pos[start:end], k, v)
         self._lens[layer] = end
-        if start == 0 and self.k[layer].dtype != k.dtype:  # as PrefillView: the prompt's keys as computed
+        if start == 0 and self._narrow(layer, k):  # as PrefillView: the prompt's keys as computed
             return k, v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self._read(layer, end)
 
     def decode_step(self, model: nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         """Logits ``[B, 1, V]`` of one new token per row at ``start_pos`` (the next free slot)."""
@@ -181,14 +213,14 @@ class CompiledStaticKVCache(CacheBase):
         self._last.fill_(tokens - 1)
         attention = self.attention
         prefill = compiled_prefill(model, attention) if self.compile_decode else eager_prefill(model, attention)
-        out = prefill(padded, self._last, self.k, self.v)
+        out = prefill(padded, self._last, self.k, self.v, self.scales)
         self._lens = [tokens] * len(self._lens)
         return out
 
     def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
         step = compiled_step(model, self.attention) if self.compile_decode else eager_step(model, self.attention)
-        return step(input_ids, self.position, self.k, self.v, self.key_pos)
+        return step(input_ids, self.position, self.k, self.v, self.key_pos, self.scales)
 
     def _check(self, end: int, batch: int) -> None:
         if end > self.slots:
@@ -200,21 +232,21 @@ class CompiledStaticKVCache(CacheBase):
         self._lens = [0] * len(self._lens)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.scales))
 
 
 def eager_step(model: nn.Module, attention: str = "sdpa") -> Step:
     def step(ids: torch.Tensor, positions: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor],
-             key_pos: torch.Tensor) -> torch.Tensor:
-        return model(ids, cache=DecodeView(k, v, key_pos, positions, attention), last_only=True)
+             key_pos: torch.Tensor, scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+        return model(ids, cache=DecodeView(k, v, key_pos, positions, attention, scales), last_only=True)
 
     return step
 
 
 def eager_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
     def prefill(ids: torch.Tensor, last_index: torch.Tensor, k: list[torch.Tensor],
-                v: list[torch.Tensor]) -> torch.Tensor:
-        view = PrefillView(k, v, ids.shape[1], last_index, attention)
+                v: list[torch.Tensor], scales: list[torch.Tensor] | None = None) -> torch.Tensor:
+        view = PrefillView(k, v, ids.shape[1], last_index, attention, scales)
         return model(ids, cache=view, start_pos=0, last_only=True)
 
     return prefill
@@ -281,18 +313,6 @@ def _with_fallback(model: nn.Module, attention: str, compiled: Step, own: dict[s
 def compile_notes() -> list[str]:
     """This process's compile fallbacks, each once."""
     return list(dict.fromkeys(NOTES))
-
-
-KV_DTYPES = ("bfloat16", "float16")
-
-
-def kv_dtype_of(name: str | None, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the cache keeps K and V in: ``name`` (one of ``KV_DTYPES``), or the model's when None."""
-    if name is None:
-        return model_dtype
-    if name not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or absent: the model's), got {name!r}")
-    return getattr(torch, name)
 
 
 def slot_multiple_of(options: dict[str, Any]) -> int:

@@ -284,5 +284,38 @@ def test_a_bfloat16_cache_keeps_half_the_bytes_and_close_logits():
         growing = cache_factory(model)(2, 32)
         model(ids[:, :12], cache=growing, start_pos=0)
         assert torch.allclose(second, model(ids[:, 12:], cache=growing, start_pos=12), atol=5e-2)
-    with pytest.raises(ValueError, match="kv_dtype must be one of bfloat16, float16"):
+    with pytest.raises(ValueError, match="kv_dtype must be one of bfloat16, float16, int8"):
         cache_config(kv_dtype="int3")
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_cxx)])
+def test_an_int8_cache_keeps_a_quarter_of_the_bytes_and_close_logits(compiled, monkeypatch):
+    """int8 K/V with a scale per token and head: decode steps read the stored values (compiled or eager,
+    through the dot kernel); the prompt's own logits are exact; a prompt in pieces reads them too."""
+    from opus.models import decoder
+
+    model = tiny_lm("llama")
+    ids = prompts(2, 20)
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    ran: list[str] = []
+    real = decoder.dot_attention  # as attend calls it
+    monkeypatch.setattr(decoder, "dot_attention", lambda *a: ran.append("dot") or real(*a))
+    config = cache_config(compiled, slot_multiple=16, kv_dtype="int8")
+    small = cache_factory(model, config)(2, 32)
+    wide = cache_factory(model, cache_config(False, slot_multiple=16))(2, 32)
+    assert small.k[0].dtype == torch.int8 and len(small.scales) == 2 * len(small.k)
+    head_dim = small.k[0].shape[-1]
+    assert small.nbytes() == wide.nbytes() * (head_dim + 4) // (4 * head_dim)  # int8 values + one fp32 scale
+    want = generate(model, ids, 6, cache_factory(model), return_logits=True)
+    got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
+    assert static_cache.NOTES == []  # compiled where asked, not the eager fallback
+    assert ran  # the decode steps' attention
+    assert torch.equal(got.logits[:, 0], want.logits[:, 0])
+    assert not torch.equal(got.logits, want.logits)
+    assert torch.allclose(got.logits, want.logits, atol=5e-2)
+    with torch.inference_mode():
+        model(ids[:, :12], cache=small, start_pos=0)
+        second = model(ids[:, 12:], cache=small, start_pos=12)
+        growing = cache_factory(model)(2, 32)
+        model(ids[:, :12], cache=growing, start_pos=0)
+        assert torch.allclose(second, model(ids[:, 12:], cache=growing, start_pos=12), atol=0.1, rtol=0.05)
