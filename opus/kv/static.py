@@ -30,7 +30,7 @@ same padded prefill eagerly, with the reason in ``notes``.
 compiled graphs are kept per kernel. ``kv_dtype: bfloat16`` (or ``float16``, or ``int8`` with a
 scale per token and head: opus.kv.stored) keeps K and V narrower: a half or a quarter of the bytes a
 decode step keeps; the step's masked attention then runs as two matmuls
-(``opus.models.attention.dot_attention``), while a prompt attends to its own keys as computed. It is
+(``opus.models.attention.narrow_kv_attention``), while a prompt attends to its own keys as computed. It is
 lossy: kv_config measures its perplexity through the cache before it may race.
 """
 
@@ -96,13 +96,10 @@ class _Slots(CacheBase):
 
     def _read(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``end`` slots (all: None) of ``layer`` as attention reads them (int8 widened)."""
-        def first(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t if t is None or end is None else t[:, :, :end]
-
+        cut = slice(None, end)
         k_scales, v_scales = self._scales(layer)
-        k, v = first(self.k[layer]), first(self.v[layer])
-        assert k is not None and v is not None
-        return widened(k, first(k_scales)), widened(v, first(v_scales))
+        return (widened(self.k[layer][:, :, cut], None if k_scales is None else k_scales[:, :, cut]),
+                widened(self.v[layer][:, :, cut], None if v_scales is None else v_scales[:, :, cut]))
 
     def _narrow(self, layer: int, k: torch.Tensor) -> bool:
         return self.k[layer].dtype != k.dtype
@@ -147,7 +144,7 @@ class PrefillView(_Slots):
         self._store(layer, self._slots, k, v)
         if self._narrow(layer, k):  # the prompt attends to its keys as computed (each slot it has just written)
             return k, v
-        return self.k[layer][:, :, : self.length], self.v[layer][:, :, : self.length]
+        return self._read(layer, self.length)
 
 
 class CompiledStaticKVCache(_Slots):

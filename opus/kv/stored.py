@@ -6,7 +6,7 @@ maximum / 127, symmetric, in the model's dtype), a quarter of fp32's bytes plus 
 head_dim. Per token and head, because a token's keys are written once and never requantized, and
 because outlier channels in one token do not widen another's steps. All three are read through
 ``widened``: a float buffer as it is, int8 multiplied back by its scales (a decode step then runs
-opus.models.attention.dot_attention over the widened values). Lossy dtypes race in kv_config only
+opus.models.attention.narrow_kv_attention over the widened values). Lossy dtypes race in kv_config only
 after their perplexity through the cache is
 measured (opus.runtime.kv_fidelity).
 """

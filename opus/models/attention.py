@@ -39,17 +39,9 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return None
 
 
-def dot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A decode step over a cache's narrower or int8-widened ``k, v``: two matmuls in the cache's dtype.
-    Written as sums of products (so inductor would fuse the widening into loops reading the narrow
-    bytes) it measured 3-4x slower in the whole compiled K3 step at batch 32 (bf16 1,687 and int8
-    1,200 against 5,123 decode tok/s for fp32 SDPA), so it is not that."""
-    return narrow_kv_attention(q, k, v, mask)
-
-
 def narrow_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``q [B, H, T, D]`` over a cache's ``k, v [B, KV, S, D]`` where ``mask [T, S]`` lets it see:
-    two matmuls in the cache's dtype, the softmax in ``q``'s (the scores are widened first)."""
+    """``q [B, H, T, D]`` over a cache's narrower (or int8-widened) ``k, v [B, KV, S, D]`` where ``mask
+    [T, S]`` lets it see: two matmuls in the cache's dtype, the softmax in ``q``'s (the scores are widened first)."""
     b, heads, t, d = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     group = heads // kv_heads

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.errors import EXIT_INVALID, OpusError
-from opus.models.attention import DOT, blocked_attention, dot_attention
+from opus.models.attention import DOT, blocked_attention, narrow_kv_attention
 from opus.models.config import ModelConfig
 
 
@@ -155,7 +155,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa:
     # slots not written yet, and a mask (``[T, S]``, or ``[B, 1, T, S]`` per row; True = visible) with them.
     narrow = k.dtype != q.dtype  # a cache keeping K/V narrower (opus.kv.static kv_dtype)
     if (narrow or kernel == DOT) and mask is not None and mask.dim() == 2:
-        return dot_attention(q, k, v, mask)
+        return narrow_kv_attention(q, k, v, mask)
     if narrow:
         k, v = k.to(q.dtype), v.to(q.dtype)  # any other case: the stored values, widened
     if kernel == "blocked" and (out := blocked_attention(q, k, v, causal, mask)) is not None:

@@ -298,8 +298,8 @@ def test_an_int8_cache_keeps_a_quarter_of_the_bytes_and_close_logits(compiled, m
     ids = prompts(2, 20)
     monkeypatch.setattr(static_cache, "NOTES", [])
     ran: list[str] = []
-    real = decoder.dot_attention  # as attend calls it
-    monkeypatch.setattr(decoder, "dot_attention", lambda *a: ran.append("dot") or real(*a))
+    real = decoder.narrow_kv_attention  # as attend calls it for the dot kernel
+    monkeypatch.setattr(decoder, "narrow_kv_attention", lambda *a: ran.append("dot") or real(*a))
     config = cache_config(compiled, slot_multiple=16, kv_dtype="int8")
     small = cache_factory(model, config)(2, 32)
     wide = cache_factory(model, cache_config(False, slot_multiple=16))(2, 32)
