@@ -110,3 +110,26 @@ def test_the_taylor_proxy_tracks_the_full_measure_and_leaves_the_model_as_it_was
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.lm_head.weight.requires_grad and model.lm_head.weight.grad is None
     assert not any(m._forward_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("fmt", ["w8a8", "w4a16"])
+def test_a_taylor_layer_score_is_its_formula_and_leaves_its_inputs_alone(fmt: str) -> None:
+    """Σ g·ΔY + ½ Σ g²·ΔY², ΔY the fake-quantized layer's output less the float one's; the captured
+    output and gradient (shared by every format of the layer) are read, never written."""
+    from opus.quant.formats import FORMATS
+    from opus.quant.taylor import _layer_score
+
+    gen = torch.Generator().manual_seed(5)
+    layer = torch.nn.Linear(64, 48)
+    x, grad = torch.randn(20, 64, generator=gen), torch.randn(20, 48, generator=gen)
+    with torch.no_grad():
+        y = layer(x)
+        spec = FORMATS[fmt]
+        delta = torch.nn.functional.linear(spec.fake_quant_input(x), spec.fake_quant_weight(layer.weight, 32),
+                                           layer.bias) - y
+    expected = float((grad * delta).sum() + 0.5 * (grad.square() * delta.square()).sum())
+    kept = (y.clone(), grad.clone())
+    with torch.no_grad():
+        score = _layer_score(layer, fmt, x, y, grad, 32)
+    assert score == pytest.approx(expected, rel=1e-5) and abs(expected) > 0
+    assert torch.equal(y, kept[0]) and torch.equal(grad, kept[1])
