@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.errors import InputError
 from opus.fusion.moe import EXPERT_MODES
 from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.context import StageContext, StageResult
@@ -119,7 +120,7 @@ def _generic_inputs(model: Any, cfg: Config) -> tuple[Any, ...]:
             return (torch.randint(0, module.num_embeddings, (cfg.prompts, cfg.prompt_len), generator=g),)
         if isinstance(module, nn.Linear):
             return (torch.randn(cfg.prompts, module.in_features, generator=g).to(module.weight),)
-    raise ValueError(f"cannot make a probe input for {type(model).__name__}: no Embedding or Linear")
+    raise InputError(f"cannot make a probe input for {type(model).__name__}: no Embedding or Linear")
 
 
 def _counts(fusion: Any, model: Any, ids: Any, lm: bool, timed: bool) -> dict[str, Any]:

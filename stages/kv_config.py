@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.errors import InputError
 from opus.kv.cache import KV_CONFIG_FILE
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
@@ -255,7 +256,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     model = loaded.model
     mc = getattr(model, "config", None)
     if not supports_cache(model) or not all(hasattr(mc, a) for a in ("num_layers", "num_kv_heads", "head_dim")):
-        raise ValueError(f"kv_config needs Opus's LM interface (a KV cache and config.num_layers/num_kv_heads/"
+        raise InputError(f"kv_config needs Opus's LM interface (a KV cache and config.num_layers/num_kv_heads/"
                          f"head_dim); {type(model).__name__} has not")
     device = model_device(model)
     dtype = next(model.parameters()).dtype
@@ -267,7 +268,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     warmup = cfg.warmup if cfg.warmup is not None else wl.warmup
     context = input_len + output_len
     if context > max_ctx:
-        raise ValueError(f"the workload needs {context} positions; max_context is {max_ctx}")
+        raise InputError(f"the workload needs {context} positions; max_context is {max_ctx}", key="workload")
     batches = sorted(set(cfg.batch_sizes or [1, wl.batch_size]))
     replay = source_artifact(ctx, KV_CONFIG_FILE)  # run.decisions_from: that run's caches
     candidates, unavailable = ([], []) if replay else _candidates(cfg, max_ctx, model)

@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.errors import InputError
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Failure
 from opus.quant.apply import quantize_model
@@ -35,7 +36,8 @@ def _plan(ctx: StageContext) -> tuple[dict[str, Any], ActivationStats]:
         if upstream.artifact(PLAN_FILE).is_file():
             doc = yaml.safe_load(upstream.artifact(PLAN_FILE).read_text())
             return doc, ActivationStats.load(upstream.artifact(CALIBRATION_FILE))
-    raise ValueError("quantize needs an upstream plan stage (no plan.yaml among its inputs)")
+    raise InputError("quantize needs an upstream plan stage: no plan.yaml among its inputs (a plan stage "
+                     "that was rolled back or skipped leaves none)")
 
 
 def promoted_groups(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from opus.errors import InputError
 from opus.pipeline.context import StageContext, StageResult
 
 VERSION = "1"
@@ -47,9 +48,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus.runtime.server_process import opus_server
 
     if any(c < 1 for c in cfg.concurrency):
-        raise ValueError(f"concurrency: every level needs at least 1 client, got {cfg.concurrency}")
+        raise InputError(f"concurrency: every level needs at least 1 client, got {cfg.concurrency}")
     if ctx.incoming is None:
-        raise ValueError("serve_bench needs a model state: put it after a stage that keeps one")
+        raise InputError("serve_bench needs a model state: put it after a stage that keeps one")
     spec, wl = ctx.spec, ctx.workload
     input_len, output_len = cfg.input_len or wl.input_len, cfg.output_len or wl.output_len
     threads = cfg.threads or spec.run.threads or _torch_threads()
