@@ -16,8 +16,8 @@ from opus.quant.calibrate import ActivationStats
 from opus.quant.formats import FORMATS, check_format, is_noop, known, ladder, noop_name
 from opus.quant.groups import QGroup, build_groups, matches
 from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
-from opus.quant.sensitivity import Scoring, Tally, UnitCache, measure_sensitivity
-from opus.quant.smooth import apply_smoothing, smooth_groups
+from opus.quant.sensitivity import Scoring, Tally, UnitCache, measure_sensitivity, scores_smoothed_in_one_pass
+from opus.quant.smooth import choose_factors, fold_factors, input_scales, smooth_groups
 from opus.quant.speed import KernelTimer, group_rounds_ms
 from opus.quant.validate import PLAN, check_end_to_end
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
@@ -97,9 +97,15 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     with request.cluster() if request.cluster else nullcontext() as pool:
         sweep = dict(group_size=request.group_size, scoring=request.scoring, units=tally, progress=progress,
                      total=total, pool=pool)
-        scores = measure_sensitivity(model, free, plain, blocks, **sweep)
-        if act:  # activation formats are scored as they will run: after SmoothQuant (exact in float)
-            apply_smoothing(model, stats, smooth_groups(model))
+        # Activation formats are scored as they will run: after SmoothQuant (exact in float).
+        factors = choose_factors(model, stats, smooth_groups(model)) if act else []
+        if act and scores_smoothed_in_one_pass(model, request.scoring):
+            scores = measure_sensitivity(model, free, plain + act, blocks, input_scales=input_scales(factors),
+                                         **sweep)
+            fold_factors(model, factors)
+        else:
+            scores = measure_sensitivity(model, free, plain, blocks, **sweep)
+            fold_factors(model, factors)
             more = measure_sensitivity(model, free, act, blocks, done=len(free) * len(plain), **sweep)
             for name, by_fmt in more.items():
                 scores.setdefault(name, {}).update(by_fmt)

@@ -170,6 +170,12 @@ def _trials(model: nn.Module, scoring: Scoring) -> Callable[..., Iterator[tuple[
     return {"suffix": _suffix_trials, "taylor": taylor_trials}.get(scoring.method, _full_trials)
 
 
+def scores_smoothed_in_one_pass(model: nn.Module, scoring: Scoring) -> bool:
+    """Whether the sweep takes SmoothQuant's factors as ``input_scales`` (the Taylor proxy on Opus's
+    decoders: one pass scores plain and smoothed formats) instead of a second sweep of the smoothed model."""
+    return _trials(model, scoring) is taylor_trials
+
+
 TASK = "opus.quant.sensitivity:score_batch"  # what a cluster task runs (opus.cluster.ray_pool)
 TASKS_PER_SLOT = 4  # small enough tasks that a retry or a kill loses little
 
@@ -210,14 +216,19 @@ def score_batch(meta: str, blob: bytes, payload: str) -> str:
 def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[str], blocks: torch.Tensor,
                         *, group_size: int = 128, batch_size: int = 4, scoring: Scoring | None = None,
                         units: UnitCache | None = None, progress: Progress | None = None,
-                        done: int = 0, total: int | None = None, pool: Any = None) -> dict[str, dict[str, Score]]:
+                        done: int = 0, total: int | None = None, pool: Any = None,
+                        input_scales: dict[str, torch.Tensor] | None = None) -> dict[str, dict[str, Score]]:
     """``{group: {format: {"dce", "kl", "how"}}}`` for every group and candidate format it can take.
 
     Units found in ``units`` are reused, not measured again; each measured one is put there as soon
-    as it is finished. With a ``pool`` the units not found run as tasks on its cluster."""
+    as it is finished. With a ``pool`` the units not found run as tasks on its cluster.
+    ``input_scales`` (only where ``scores_smoothed_in_one_pass``): SmoothQuant's factors, with which
+    activation formats are scored as they run after smoothing while the model stays as it is."""
     scoring = scoring or Scoring()
     if scoring.method not in METHODS:
         raise ValueError(f"unknown sensitivity method '{scoring.method}' (known: {', '.join(METHODS)})")
+    if input_scales is not None and not scores_smoothed_in_one_pass(model, scoring):
+        raise ValueError(f"the {scoring.method} sweep scores smoothed formats on the smoothed model only")
     blocks = blocks.to(next(model.parameters()).device)
     total = total or len(groups) * len(formats)
     found: dict[str, Score] = {}
@@ -246,7 +257,8 @@ def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[st
         if pool is not None and scoring.method != "taylor":  # the proxy is a few passes: nothing to fan out
             trials = _remote_trials(pool, model, todo, blocks, batch_size, group_size, scoring)
         else:
-            trials = _trials(model, scoring)(model, todo, blocks, batch_size, group_size, scoring)
+            extra = {"input_scales": input_scales} if input_scales is not None else {}
+            trials = _trials(model, scoring)(model, todo, blocks, batch_size, group_size, scoring, **extra)
         for (group, fmt), score in trials:
             found[unit_name(group, fmt)] = score
             if units is not None:

@@ -92,19 +92,29 @@ def _expand_heads(values: torch.Tensor, rep: int, head_dim: int) -> torch.Tensor
     return values.reshape(-1, 1, head_dim).expand(-1, rep, head_dim).reshape(-1)
 
 
+@dataclass
+class Factors:
+    """One group's chosen migration: its readers' inputs are divided by ``s``, their weights multiplied."""
+
+    group: SmoothGroup
+    s: torch.Tensor  # over the readers' input channels
+    alpha: float
+    rep: int
+    head_dim: int
+
+
 @torch.no_grad()
-def apply_smoothing(model: nn.Module, stats: ActivationStats, groups: list[SmoothGroup],
-                    alpha: float | None = None) -> dict[str, float]:
-    """Fold factors into the model in place; returns the α chosen per group (keyed by source)."""
-    chosen: dict[str, float] = {}
+def choose_factors(model: nn.Module, stats: ActivationStats, groups: list[SmoothGroup],
+                   alpha: float | None = None) -> list[Factors]:
+    """Each group's factors (α from the grid by the int8 product error), the model left as it is."""
+    chosen: list[Factors] = []
     for group in groups:
         # Every reader of the activation is rescaled (a norm feeds all experts, routed or not);
         # statistics come from the readers that saw tokens during calibration.
         measured = [t for t in group.targets if t in stats.absmax]
         if not measured:
             continue
-        targets = group.targets
-        weights = [model.get_submodule(t).weight.float() for t in targets]
+        weights = [model.get_submodule(t).weight.float() for t in group.targets]
         act = torch.stack([stats.absmax[t] for t in measured]).amax(dim=0)
         w_max = torch.cat(weights).abs().amax(dim=0)
         samples = stats.samples.get(measured[0])
@@ -117,9 +127,27 @@ def apply_smoothing(model: nn.Module, stats: ActivationStats, groups: list[Smoot
             err = _error(samples, weights, s) if samples is not None and alpha is None else 0.0
             if err < best_err:
                 best_alpha, best_s, best_err = a, s, err
-        _fold(model, group, targets, best_s, rep, head_dim)
-        chosen[group.source] = best_alpha
+        chosen.append(Factors(group, best_s, best_alpha, rep, head_dim))
     return chosen
+
+
+def input_scales(factors: list[Factors]) -> dict[str, torch.Tensor]:
+    """``{linear: s}``: what folding ``factors`` divides each reader's input by."""
+    return {t: f.s for f in factors for t in f.group.targets}
+
+
+@torch.no_grad()
+def fold_factors(model: nn.Module, factors: list[Factors]) -> dict[str, float]:
+    """Fold chosen factors into the model in place; returns the α per group (keyed by source)."""
+    for f in factors:
+        _fold(model, f.group, f.group.targets, f.s, f.rep, f.head_dim)
+    return {f.group.source: f.alpha for f in factors}
+
+
+def apply_smoothing(model: nn.Module, stats: ActivationStats, groups: list[SmoothGroup],
+                    alpha: float | None = None) -> dict[str, float]:
+    """Fold factors into the model in place; returns the α chosen per group (keyed by source)."""
+    return fold_factors(model, choose_factors(model, stats, groups, alpha))
 
 
 def _fold(model: nn.Module, group: SmoothGroup, targets: list[str], s: torch.Tensor, rep: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,49 +58,103 @@ class _Capture:
             hook.remove()
 
 
+class _Weights:
+    """Each (layer, format)'s fake-quantized weight (SmoothQuant's factor folded in first where one is
+    given), kept across calibration batches while they fit in ``budget`` bytes, rebuilt per batch after."""
+
+    def __init__(self, model: nn.Module, group_size: int, scales: dict[str, torch.Tensor], budget: int) -> None:
+        self.model, self.group_size, self.scales, self.budget = model, group_size, scales, budget
+        self.kept: dict[tuple[str, str], torch.Tensor] = {}
+
+    def scale(self, name: str, fmt: str) -> torch.Tensor | None:
+        return self.scales.get(name) if FORMATS[fmt].acts_quantized else None
+
+    def get(self, name: str, fmt: str) -> torch.Tensor:
+        if (name, fmt) in self.kept:
+            return self.kept[(name, fmt)]
+        weight = self.model.get_submodule(name).weight.detach()
+        s = self.scale(name, fmt)
+        if s is not None:
+            weight = (weight * s.to(weight.device)[None, :]).to(weight.dtype)
+        fake = FORMATS[fmt].fake_quant_weight(weight, self.group_size)
+        if fake.numel() * fake.element_size() <= self.budget:
+            self.budget -= fake.numel() * fake.element_size()
+            self.kept[(name, fmt)] = fake
+        return fake
+
+
+def _cache_budget(device: torch.device, batches: int) -> int:
+    """Bytes of fake-quantized weights worth keeping: none for one batch, else a quarter of free memory."""
+    if batches < 2:
+        return 0
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return psutil.virtual_memory().available // 4
+
+
 def _layer_score(layer: nn.Linear, fmt: str, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor,
-                 group_size: int) -> float:
-    """Σ g·ΔY + ½ Σ g²·ΔY² for one layer in one format over one batch's tokens."""
+                 group_size: int, fake_weight: torch.Tensor | None = None) -> float:
+    """Σ g·ΔY + ½ Σ g²·ΔY² for one layer in one format over one batch's tokens.
+
+    ``fake_weight``: the layer's weight already fake-quantized (and ``x`` already divided by its
+    SmoothQuant factor); by default it is built from ``layer``."""
     spec = FORMATS[fmt]
-    weight = layer.weight.detach()
+    if fake_weight is None:
+        fake_weight = spec.fake_quant_weight(layer.weight.detach(), group_size)
     bias = None if layer.bias is None else layer.bias.detach()
     # In place on the GEMM's fresh output, and g²·ΔY² as (g·ΔY)²: two passes over [tokens, out] where
     # there were seven (on a 49k-vocabulary lm_head each pass is ~200 MB per calibration batch).
-    gd = F.linear(spec.fake_quant_input(x), spec.fake_quant_weight(weight, group_size), bias).float()
+    gd = F.linear(spec.fake_quant_input(x), fake_weight, bias).float()
     gd = gd.sub_(y).mul_(grad) if gd.dtype == y.dtype == grad.dtype else (gd - y.float()) * grad.float()
     flat = gd.view(-1)
     return float(flat.sum() + 0.5 * torch.dot(flat, flat))
 
 
+def _batch_scores(model: nn.Module, by_layer: dict[str, set[str]], capture: _Capture, weights: _Weights,
+                  totals: dict[tuple[str, str], float], group_size: int) -> None:
+    for n, fmts in by_layer.items():
+        if n not in capture.grads:  # an expert no token was routed to in this batch
+            continue
+        layer, x = model.get_submodule(n), capture.inputs[n]
+        smoothed = None  # the input the smoothed layer reads, divided once for all its formats
+        for fmt in sorted(fmts):
+            s = weights.scale(n, fmt)
+            if s is not None and smoothed is None:
+                smoothed = (x / s.to(x.device)).to(x.dtype)
+            totals[(n, fmt)] += _layer_score(layer, fmt, x if s is None else smoothed, capture.outputs[n],
+                                             capture.grads[n], group_size, weights.get(n, fmt))
+
+
 def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torch.Tensor, batch_size: int,
-                  group_size: int, scoring: Any) -> Iterator[tuple[tuple[QGroup, str], dict[str, Any]]]:
-    """Every unit's score from the same passes; yielded once all batches are done."""
+                  group_size: int, scoring: Any, input_scales: dict[str, torch.Tensor] | None = None,
+                  ) -> Iterator[tuple[tuple[QGroup, str], dict[str, Any]]]:
+    """Every unit's score from the same passes; yielded once all batches are done.
+
+    ``input_scales`` (opus.quant.smooth.input_scales): formats that quantize activations are scored as
+    the model would run after SmoothQuant, input ÷ s and weight × s (the float output and so the
+    gradients are unchanged), so one pass serves the plain and the smoothed formats."""
     names = sorted({n for group, _ in todo for n in group.modules})
     by_layer: dict[str, set[str]] = {n: set() for n in names}
     for group, fmt in todo:
         for n in group.modules:
             by_layer[n].add(fmt)
     totals = {(n, f): 0.0 for n, fmts in by_layer.items() for f in fmts}
+    batches = blocks.split(batch_size)
+    weights = _Weights(model, group_size, input_scales or {}, _cache_budget(blocks.device, len(batches)))
     capture = _Capture(model, names)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
         p.requires_grad_(False)
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            for batch in blocks.split(batch_size):
+            for batch in batches:
                 capture.clear()
                 logits = model(batch.clone())  # a normal tensor: inference-mode ids cannot enter autograd
                 loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                        batch[:, 1:].reshape(-1), reduction="sum")
                 loss.backward()
                 with torch.no_grad():
-                    for n, fmts in by_layer.items():
-                        if n not in capture.grads:  # an expert no token was routed to in this batch
-                            continue
-                        layer = model.get_submodule(n)
-                        for fmt in fmts:
-                            totals[(n, fmt)] += _layer_score(layer, fmt, capture.inputs[n], capture.outputs[n],
-                                                             capture.grads[n], group_size)
+                    _batch_scores(model, by_layer, capture, weights, totals, group_size)
     finally:
         capture.clear()
         capture.remove()
