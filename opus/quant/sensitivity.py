@@ -15,7 +15,8 @@ was obtained (``how``). A ``UnitCache`` keeps finished units, so a sweep stopped
 Given a ``pool`` (opus.cluster.ray_pool.RayPool) the units fan out: the model and the calibration
 blocks go into the object store once, and each task scores a batch of units, contiguous in layer order
 (a suffix task first runs the layers before its first unit once), with the same trial code; each score
-then says where it ran (``where``).
+then says where it ran (``where``). The Taylor proxy scores every unit from the same passes, so it fans
+out by calibration batch instead: each task sums its batches' terms for all units, the driver adds them.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from opus.quant.suffix import (
     supports,
 )
 from opus.quant.taylor import HOW as TAYLOR_HOW
-from opus.quant.taylor import taylor_trials
+from opus.quant.taylor import taylor_totals, taylor_trials, unit_scores
 
 Progress = Callable[[float, float, str], None]
 Score = dict[str, Any]  # {"dce": float, "kl": float, "how": str, and "where" when it ran on a cluster}
@@ -198,6 +199,50 @@ def _remote_trials(pool: Any, model: nn.Module, todo: list[Unit], blocks: torch.
             yield unit, {**score, "where": finished.where}
 
 
+TAYLOR_TASK = "opus.quant.sensitivity:taylor_batches"
+SCALE = "scale."  # the prefix of SmoothQuant's input scales among a Taylor sweep's shared tensors
+
+
+def _remote_taylor(pool: Any, model: nn.Module, todo: list[Unit], blocks: torch.Tensor, batch_size: int,
+                   group_size: int, input_scales: dict[str, torch.Tensor] | None) -> Iterator[tuple[Unit, Score]]:
+    """The proxy's passes split by calibration batch: each task sums its batches' terms for every unit's
+    layers, and the sums are added in batch order (with one batch a task, as the local sweep adds them)."""
+    from opus.cluster.wire import pack_model
+
+    count = math.ceil(blocks.shape[0] / batch_size)
+    per_task = max(1, math.ceil(count / (TASKS_PER_SLOT * pool.slots)))
+    spans = [(i, min(count, i + per_task)) for i in range(0, count, per_task)]
+    # A group's readers share one factor tensor; safetensors stores no shared memory (each is a vector).
+    extra = {"blocks": blocks.cpu(), **{SCALE + n: s.cpu().clone() for n, s in (input_scales or {}).items()}}
+    shared = pool.share(*pack_model(model, extra))
+    job = {"batch_size": batch_size, "group_size": group_size, "units": [[asdict(g), fmt] for g, fmt in todo]}
+    partial: dict[int, list[list[Any]]] = {}
+    places: set[str] = set()
+    for finished in pool.run(TAYLOR_TASK, shared, [json.dumps({**job, "batches": span}) for span in spans]):
+        partial[finished.index] = json.loads(finished.result)
+        places.add(finished.where)
+    totals: dict[tuple[str, str], float] = {}
+    for index in range(len(spans)):
+        for layer, fmt, value in partial[index]:
+            totals[(layer, fmt)] = totals.get((layer, fmt), 0.0) + value
+    where = f"{len(spans)} calibration-batch task{'s' * (len(spans) > 1)} on " + ", ".join(sorted(places))
+    for unit, score in unit_scores(todo, totals, blocks):
+        yield unit, {**score, "where": where}
+
+
+def taylor_batches(meta: str, blob: bytes, payload: str) -> str:
+    """A cluster task: the Taylor terms of the payload's units over its span of calibration batches."""
+    from opus.cluster.wire import unpack_model
+
+    model, extra = unpack_model(meta, blob)
+    job = json.loads(payload)
+    todo = [(QGroup(**group), fmt) for group, fmt in job["units"]]
+    scales = {k.removeprefix(SCALE): v for k, v in extra.items() if k.startswith(SCALE)}
+    batches = extra["blocks"].split(job["batch_size"])[slice(*job["batches"])]
+    totals = taylor_totals(model, todo, batches, job["group_size"], scales or None)
+    return json.dumps([[layer, fmt, value] for (layer, fmt), value in sorted(totals.items())])
+
+
 def score_batch(meta: str, blob: bytes, payload: str) -> str:
     """A cluster task: rebuild the model (opus.cluster.wire), score the payload's units, as JSON."""
     from opus.cluster.wire import unpack_model
@@ -254,7 +299,9 @@ def measure_sensitivity(model: nn.Module, groups: list[QGroup], formats: list[st
             reused += 1
             tick(f"{group.name} {fmt}")
     if todo:
-        if pool is not None and scoring.method != "taylor":  # the proxy is a few passes: nothing to fan out
+        if pool is not None and _trials(model, scoring) is taylor_trials:  # its batches fan out
+            trials = _remote_taylor(pool, model, todo, blocks, batch_size, group_size, input_scales)
+        elif pool is not None:
             trials = _remote_trials(pool, model, todo, blocks, batch_size, group_size, scoring)
         else:
             extra = {"input_scales": input_scales} if input_scales is not None else {}

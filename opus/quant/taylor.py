@@ -15,7 +15,7 @@ each (layer, format) pair then costs one fake-quantized GEMM, instead of a (part
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psutil
@@ -125,10 +125,12 @@ def _batch_scores(model: nn.Module, by_layer: dict[str, set[str]], capture: _Cap
                                              capture.grads[n], group_size, weights.get(n, fmt))
 
 
-def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torch.Tensor, batch_size: int,
-                  group_size: int, scoring: Any, input_scales: dict[str, torch.Tensor] | None = None,
-                  ) -> Iterator[tuple[tuple[QGroup, str], dict[str, Any]]]:
-    """Every unit's score from the same passes; yielded once all batches are done.
+Totals = dict[tuple[str, str], float]  # (layer, format) -> Σ over tokens of its Taylor terms
+
+
+def taylor_totals(model: nn.Module, todo: list[tuple[QGroup, str]], batches: Sequence[torch.Tensor],
+                  group_size: int, input_scales: dict[str, torch.Tensor] | None = None) -> Totals:
+    """Every (layer, format) pair's summed terms over ``batches``, added batch after batch.
 
     ``input_scales`` (opus.quant.smooth.input_scales): formats that quantize activations are scored as
     the model would run after SmoothQuant, input ÷ s and weight × s (the float output and so the
@@ -139,8 +141,9 @@ def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torc
         for n in group.modules:
             by_layer[n].add(fmt)
     totals = {(n, f): 0.0 for n, fmts in by_layer.items() for f in fmts}
-    batches = blocks.split(batch_size)
-    weights = _Weights(model, group_size, input_scales or {}, _cache_budget(blocks.device, len(batches)))
+    if not batches:
+        return totals
+    weights = _Weights(model, group_size, input_scales or {}, _cache_budget(batches[0].device, len(batches)))
     capture = _Capture(model, names)
     trainable = [p for p in model.parameters() if p.requires_grad]
     for p in trainable:
@@ -160,7 +163,21 @@ def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torc
         capture.remove()
         for p in trainable:
             p.requires_grad_(True)
+    return totals
+
+
+def unit_scores(todo: list[tuple[QGroup, str]], totals: Totals, blocks: torch.Tensor,
+                ) -> Iterator[tuple[tuple[QGroup, str], dict[str, Any]]]:
+    """Each unit's Δce per predicted token: its layers' totals over every calibration block."""
     predicted = blocks.shape[0] * (blocks.shape[1] - 1)
     for group, fmt in todo:
         dce = sum(totals[(n, fmt)] for n in group.modules) / predicted
         yield (group, fmt), {"dce": dce, "kl": None, "how": HOW}
+
+
+def taylor_trials(model: nn.Module, todo: list[tuple[QGroup, str]], blocks: torch.Tensor, batch_size: int,
+                  group_size: int, scoring: Any, input_scales: dict[str, torch.Tensor] | None = None,
+                  ) -> Iterator[tuple[tuple[QGroup, str], dict[str, Any]]]:
+    """Every unit's score from the same passes (``taylor_totals``); yielded once all batches are done."""
+    totals = taylor_totals(model, todo, blocks.split(batch_size), group_size, input_scales)
+    yield from unit_scores(todo, totals, blocks)

@@ -72,13 +72,17 @@ def test_a_pipeline_asking_for_ray_where_it_is_missing_fails_before_anything_run
     assert not (tmp_path / "run" / "stages").exists()
 
 
-def test_with_the_same_timings_the_plan_made_on_ray_is_the_plan_made_locally() -> None:
+@pytest.mark.parametrize("method", ["suffix", "taylor"])
+def test_with_the_same_timings_the_plan_made_on_ray_is_the_plan_made_locally(method: str) -> None:
+    """Suffix trials fan out by unit; the Taylor proxy by calibration batch (with SmoothQuant's input
+    scales shipped beside the model for its W8A8 scores): the same scores and the same assignment."""
     pytest.importorskip("ray", reason="Ray is an optional extra (pip install 'opus[ray]'); make test installs it")
     from opus.cluster.ray_pool import ray_pool
     from opus.cluster.settings import RaySettings
     from opus.pipeline.spec import WorkloadSpec
     from opus.quant import plan as planner
     from opus.quant.calibrate import collect_stats
+    from opus.quant.sensitivity import Scoring
     from tests.quant.tiny import blocks, tiny_decoder
 
     timed: dict[str, dict[str, list[float]]] = {}  # the first plan's kernel timings, reused by the second
@@ -86,9 +90,9 @@ def test_with_the_same_timings_the_plan_made_on_ray_is_the_plan_made_locally() -
 
     def make(cluster):  # noqa: ANN001, ANN202
         model = tiny_decoder("mixtral", outlier=20.0)
-        data = blocks(4, 32)
+        data = blocks(8, 32)  # two calibration batches of four blocks
         request = planner.PlanRequest(["w8a8", "w8a16", "w4a16"], budget_value=0.05, group_size=32, rounds=3,
-                                      cluster=cluster, timings=timed)
+                                      cluster=cluster, timings=timed, scoring=Scoring(method))
         return planner.make_plan(model, data, collect_stats(model, data), request, workload)[0]
 
     here = make(None)
@@ -97,4 +101,10 @@ def test_with_the_same_timings_the_plan_made_on_ray_is_the_plan_made_locally() -
     assert [(g["name"], g["format"]) for g in there["groups"]] == [(g["name"], g["format"]) for g in here["groups"]]
     for mine, theirs in zip(here["groups"], there["groups"]):
         assert theirs["score"] == pytest.approx(mine["score"], rel=1e-4, abs=1e-7)
-    assert len(there["sensitivity"]["ran_on"]) == 2  # two workers, five tasks of at most five units
+    ran_on = there["sensitivity"]["ran_on"]
+    if method == "suffix":
+        assert len(ran_on) == 2  # two workers, five tasks of at most five units
+    else:  # every unit from both batches, one task each
+        (where,) = ran_on
+        assert where.startswith("2 calibration-batch tasks on ") and " pid " in where, where
+        assert all(s["scored_by"].startswith("taylor proxy") for s in there["groups"] if "scored_by" in s)
