@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,12 @@ def run_variant(path: Path, run_dir: Path) -> dict[str, Any]:
     return {"wall_s": wall, "plan": plan}
 
 
+def processes(ran_on: dict[str, int]) -> int:
+    """Distinct processes among the sweep's places (a Taylor unit's place names every task's process)."""
+    found = {p for where in ran_on for p in re.findall(r"\S+ pid \d+", where)}
+    return len(found) or len(ran_on)  # "this process"
+
+
 def compare(a: dict[str, Any], b: dict[str, Any]) -> str:
     """The largest relative score difference, and whether the assignment is the same (why not, if not)."""
     worst = 0.0
@@ -155,7 +162,7 @@ def main() -> None:
             results[name] = run_variant(path, out / "run")
             sweep = results[name]["plan"]["sensitivity"]
             print(f"{name}: stage {results[name]['wall_s']:.1f} s, sweep {sweep['seconds']} s, "
-                  f"{sweep['units']} units, ran on {len(sweep['ran_on'])} process(es)", flush=True)
+                  f"{sweep['units']} units, ran on {processes(sweep['ran_on'])} process(es)", flush=True)
     print(f"\n{describe(record['machine'])}")
     print(f"model: {model_dir or args.pipeline}; calibration blocks: {args.samples or 'as the pipeline says'}; "
           f"workload: {args.workload or 'as the pipeline says'}; sensitivity: {args.method or 'as the pipeline says'}")
