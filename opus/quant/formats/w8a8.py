@@ -101,15 +101,21 @@ def int8_tensor_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
 
 
 @contextlib.contextmanager
-def int8_activations_at_every_size() -> Iterator[None]:
-    """W8A8 layers quantize their activations whatever the row count, as an exported graph does (it
-    cannot branch on a symbolic row count): the eager reference for an export's parity check."""
+def int8_activations_from(rows: int) -> Iterator[None]:
+    """W8A8 layers run their weight-only branch only up to ``rows`` rows while this lasts (the layers'
+    default: ``WEIGHT_ONLY_MAX_ROWS``): 0 quantizes the activations whatever the row count, as an exported
+    graph does (it cannot branch on a symbolic row count). A compiled step reads it when it is traced."""
     saved = Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS
-    Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS = 0
+    Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS = rows
     try:
         yield
     finally:
         Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS = saved
+
+
+def int8_activations_at_every_size() -> contextlib.AbstractContextManager[None]:
+    """The eager reference for an export's parity check: int8 activations at every row count."""
+    return int8_activations_from(0)
 
 
 class MinRows(nn.Module):
