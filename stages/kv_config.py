@@ -6,7 +6,8 @@ Opus's own: the pooled preallocated cache (``prealloc`` × ``step``), the growin
 cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only; once with
 torch's attention and once with Opus's blocked causal attention, ``static_attention``; and with K/V
 kept in bfloat16 or int8, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
-is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json), and
+is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json; and with
+W8A8 layers taking the int8 GEMM from fewer rows, ``static_w8a8_weight_only_rows``), and
 the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
 or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
 ``unavailable`` in ``kv_config.json`` with the reason. They run the pipeline's workload (or the
@@ -80,6 +81,10 @@ class Config(BaseModel):
     static_kv_dtypes: list[Literal["bfloat16", "float16", "int8"] | None] = Field(default_factory=lambda: [None],
                                                                          min_length=1)
     max_kv_ppl_increase: float = Field(0.005, ge=0)  # relative: 0.005 = +0.5 %
+    # Up to how many rows a W8A8 layer runs its weight-only kernel inside the static cache's compiled steps,
+    # each a candidate: null = the layers' default (16); 1 = the int8 GEMM with per-token activations from
+    # two rows on (a batched decode step), which won on an AMX Xeon and lost on an AMD EPYC.
+    static_w8a8_weight_only_rows: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
     cuda_graph: bool | None = None

@@ -32,6 +32,11 @@ scale per token and head: opus.kv.stored) keeps K and V narrower: a half or a qu
 decode step keeps; the step's masked attention then runs as two matmuls
 (``opus.models.attention.narrow_kv_attention``), while a prompt attends to its own keys as computed. It is
 lossy: kv_config measures its perplexity through the cache before it may race.
+
+``w8a8_weight_only_rows: N`` traces the compiled steps with W8A8 layers running their weight-only kernel
+only up to N rows (the layers' default is 16), the int8 GEMM with per-token activations above: which of
+the two is faster at a batched decode step depends on the CPU (opus.quant.formats.w8a8), so kv_config
+measures it (``static_w8a8_weight_only_rows``) rather than assume it. The eager steps keep the default.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from torch import nn
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
 from opus.models.attention import DOT, check_kernel
+from opus.quant.formats.w8a8 import Int8DynamicLinear, int8_activations_from
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
@@ -155,7 +161,8 @@ class CompiledStaticKVCache(_Slots):
 
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False,
-                 attention: str = "sdpa", kv_dtype: str | None = None) -> None:
+                 attention: str = "sdpa", kv_dtype: str | None = None,
+                 w8a8_weight_only_rows: int | None = None) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
@@ -169,6 +176,7 @@ class CompiledStaticKVCache(_Slots):
         self.compile_decode = compile_decode
         self.prefills_itself = compile_prefill
         self.attention = check_kernel(attention)
+        self.weight_only_rows = w8a8_weight_only_rows
         self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
         self._lens = [0] * int(shape.num_layers)
 
@@ -209,14 +217,16 @@ class CompiledStaticKVCache(_Slots):
         padded = torch.nn.functional.pad(input_ids, (0, length - tokens))  # token 0: never seen, overwritten
         self._last.fill_(tokens - 1)
         attention = self.attention
-        prefill = compiled_prefill(model, attention) if self.compile_decode else eager_prefill(model, attention)
+        prefill = (compiled_prefill(model, attention, self.weight_only_rows) if self.compile_decode
+                   else eager_prefill(model, attention))
         out = prefill(padded, self._last, self.k, self.v, self.scales)
         self._lens = [tokens] * len(self._lens)
         return out
 
     def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
-        step = compiled_step(model, self.attention) if self.compile_decode else eager_step(model, self.attention)
+        step = (compiled_step(model, self.attention, self.weight_only_rows) if self.compile_decode
+                else eager_step(model, self.attention))
         return step(input_ids, self.position, self.k, self.v, self.key_pos, self.scales)
 
     def _check(self, end: int, batch: int) -> None:
@@ -249,24 +259,39 @@ def eager_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
     return prefill
 
 
-def compiled_step(model: nn.Module, attention: str = "sdpa") -> Step:
-    """The model's decode step compiled (once per model and attention kernel; inductor recompiles per
-    batch and slot count)."""
-    return _compiled(model, attention, _STEPS, eager_step, "decode step")
+def compiled_step(model: nn.Module, attention: str = "sdpa", weight_only_rows: int | None = None) -> Step:
+    """The model's decode step compiled (once per model, attention kernel and W8A8 weight-only rows;
+    inductor recompiles per batch and slot count)."""
+    return _compiled(model, attention, weight_only_rows, _STEPS, eager_step, "decode step")
 
 
-def compiled_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
-    """The model's padded prefill compiled (once per model and attention kernel; recompiled per batch,
-    bucket and slot count)."""
-    return _compiled(model, attention, _PREFILLS, eager_prefill, "prefill")
+def compiled_prefill(model: nn.Module, attention: str = "sdpa", weight_only_rows: int | None = None) -> Step:
+    """The model's padded prefill compiled (once per model, attention kernel and W8A8 weight-only rows;
+    recompiled per batch, bucket and slot count)."""
+    return _compiled(model, attention, weight_only_rows, _PREFILLS, eager_prefill, "prefill")
 
 
-def _compiled(model: nn.Module, attention: str, steps: Steps, eager: Callable[[nn.Module, str], Step],
-              what: str) -> Step:
+def _compiled(model: nn.Module, attention: str, weight_only_rows: int | None, steps: Steps,
+              eager: Callable[[nn.Module, str], Step], what: str) -> Step:
     own = steps.setdefault(model, {})
-    if attention not in own:
-        own[attention] = _with_fallback(model, attention, compile_step(eager(model, attention)), own, eager, what)
-    return own[attention]
+    key = attention if weight_only_rows is None else f"{attention}, w8a8 weight-only ≤ {weight_only_rows} rows"
+    if key not in own:
+        compiled = _traced_with(weight_only_rows, compile_step(eager(model, attention)))
+        own[key] = _with_fallback(model, attention, key, compiled, own, eager, what)
+    return own[key]
+
+
+def _traced_with(weight_only_rows: int | None, compiled: Step) -> Step:
+    """``compiled`` always called (and so traced) with W8A8's weight-only threshold at ``weight_only_rows``:
+    the graph keeps the branch it was traced with (no guards on the model's modules)."""
+    if weight_only_rows is None:
+        return compiled
+
+    def step(*args: Any) -> torch.Tensor:
+        with int8_activations_from(weight_only_rows):
+            return compiled(*args)
+
+    return step
 
 
 def compile_step(fn: Step, dynamic: bool | None = False) -> Step:
@@ -292,7 +317,7 @@ def _own_code(fn: Step) -> Step:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def _with_fallback(model: nn.Module, attention: str, compiled: Step, own: dict[str, Step],
+def _with_fallback(model: nn.Module, attention: str, key: str, compiled: Step, own: dict[str, Step],
                    eager: Callable[[nn.Module, str], Step], what: str) -> Step:
     """``compiled``, or — if compiling fails — the eager step from then on, with the reason in NOTES."""
     def step(*args: Any) -> torch.Tensor:
@@ -301,8 +326,8 @@ def _with_fallback(model: nn.Module, attention: str, compiled: Step, own: dict[s
         except Exception as exc:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower
             NOTES.append(f"{type(model).__name__}: {what} not compiled, runs eagerly: "
                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            own[attention] = eager(model, attention)
-            return own[attention](*args)
+            own[key] = eager(model, attention)
+            return own[key](*args)
 
     return step
 
@@ -329,13 +354,13 @@ def decoder_reason(model: nn.Module) -> str | None:
 
 class _StaticKind(KindBase):
     name, provider, simplicity = KIND, PROVIDER, 2
-    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype")
+    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype", "w8a8_weight_only_rows")
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         self.check_options(options)
         return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options),
                                      bool(options.get("compile_prefill", False)), options.get("attention", "sdpa"),
-                                     options.get("kv_dtype"))
+                                     options.get("kv_dtype"), options.get("w8a8_weight_only_rows"))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # The context rounded up to whole slot multiples, allocated at once.
@@ -346,11 +371,14 @@ class _StaticKind(KindBase):
                     if options.get(key, default)]
         kernel = ", blocked attention" if options.get("attention", "sdpa") == "blocked" else ""
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
-        return (f"static, compiled {' and '.join(compiled)}" if compiled else "static") + kernel + narrow
+        rows = options.get("w8a8_weight_only_rows")
+        gemm = f", W8A8 int8 GEMMs from {rows + 1} rows" if rows is not None else ""
+        return (f"static, compiled {' and '.join(compiled)}" if compiled else "static") + kernel + narrow + gemm
 
     def simplicity_of(self, options: dict[str, Any]) -> int:
         blocked = options.get("attention", "sdpa") == "blocked"
-        return self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype"))
+        rows = options.get("w8a8_weight_only_rows") is not None
+        return self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype")) + rows
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         if not settings.get("include_static", True):
@@ -359,7 +387,8 @@ class _StaticKind(KindBase):
         prefills = [False, True] if settings.get("include_static_prefill", False) else [False]
         kernels = [check_kernel(k) for k in settings.get("static_attention", ["sdpa"])]
         dtypes = settings.get("static_kv_dtypes", [None])
-        return [cache_config(True, multiple, prefill, kernel, dtype)
+        thresholds = settings.get("static_w8a8_weight_only_rows", [None])
+        return [cache_config(True, multiple, prefill, kernel, dtype, rows) for rows in thresholds
                 for dtype in dtypes for prefill in prefills for kernel in kernels]
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
@@ -367,18 +396,28 @@ class _StaticKind(KindBase):
             device = next(iter(model.parameters())).device
             if device.type != "cpu":
                 return f"the blocked attention kernel is measured on CPUs only; on {device} the cache runs sdpa"
+        if options.get("w8a8_weight_only_rows") is not None and not _has_w8a8(model):
+            return "the model has no W8A8 layer whose threshold it could set"
         return decoder_reason(model)
+
+
+def _has_w8a8(model: nn.Module) -> bool:
+    return any(isinstance(m, Int8DynamicLinear) for m in model.modules())
 
 
 STATIC = register_kind(_StaticKind())
 
 
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
-                 compile_prefill: bool = False, attention: str = "sdpa", kv_dtype: str | None = None) -> dict[str, Any]:
+                 compile_prefill: bool = False, attention: str = "sdpa", kv_dtype: str | None = None,
+                 w8a8_weight_only_rows: int | None = None) -> dict[str, Any]:
     # Options at their defaults are left out: the configs of old stay as they were.
     prefill = {"compile_prefill": True} if compile_prefill else {}
     kernel = {"attention": check_kernel(attention)} if attention != "sdpa" else {}
     if kv_dtype is not None:
         kv_dtype_of(kv_dtype, torch.float32)  # a misspelt dtype fails here, not when a cache is built
     narrow = {"kv_dtype": kv_dtype} if kv_dtype else {}
-    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow)
+    rows = {} if w8a8_weight_only_rows is None else {"w8a8_weight_only_rows": w8a8_weight_only_rows}
+    if rows and (not isinstance(w8a8_weight_only_rows, int) or w8a8_weight_only_rows < 0):
+        raise ValueError(f"w8a8_weight_only_rows must be a number of rows, 0 or more, got {w8a8_weight_only_rows!r}")
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow, **rows)

@@ -319,3 +319,44 @@ def test_an_int8_cache_keeps_a_quarter_of_the_bytes_and_close_logits(compiled, m
         growing = cache_factory(model)(2, 32)
         model(ids[:, :12], cache=growing, start_pos=0)
         assert torch.allclose(second, model(ids[:, 12:], cache=growing, start_pos=12), atol=0.1, rtol=0.05)
+
+
+@needs_cxx
+@torch.no_grad()
+def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured_with(monkeypatch):
+    """``w8a8_weight_only_rows: 1``: a batch-2 decode step runs the int8 GEMM (as the eager model does
+    under the same threshold), where the default step runs the weight-only kernel; the eager prefill
+    before the steps keeps the default."""
+    from opus.kv.cache import describe_cache
+    from opus.kv.static import STATIC
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+    from opus.quant.formats.w8a8 import Int8DynamicLinear, int8_activations_from
+
+    model = tiny_lm("llama", hidden_size=64, intermediate_size=128, head_dim=16)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    quantize_model(model, dict.fromkeys(names, "w8a8"), collect_stats(model, prompts(4, 16)), group_size=32)
+    ids = prompts(2, 10)
+    monkeypatch.setattr(static_cache, "NOTES", [])
+    with int8_activations_from(1):
+        int8 = generate(model, ids, 6, return_logits=True)
+    weight_only = generate(model, ids, 6, return_logits=True)
+    config = cache_config(True, 16, w8a8_weight_only_rows=1)
+    got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
+    default = generate(model, ids, 6, cache_factory(model, cache_config(True, 16)), return_logits=True)
+    assert static_cache.NOTES == []
+    assert Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS == 16  # restored after every step
+    steps = slice(1, None)  # the first logits come from the eager prefill, whose 2-row lm_head keeps the default
+    apart = (int8.logits[:, steps] - weight_only.logits[:, steps]).abs().max()
+    assert apart > 1e-3  # bf16 activations against int8 ones: the two branches are told apart
+    assert (got.logits[:, steps] - int8.logits[:, steps]).abs().max() < apart / 10
+    assert (default.logits[:, steps] - weight_only.logits[:, steps]).abs().max() < apart / 10
+    assert torch.equal(got.logits[:, 0], weight_only.logits[:, 0])
+    both = STATIC.candidates({"static_w8a8_weight_only_rows": [None, 1]})
+    assert [describe_cache(c) for c in both] == ["static, compiled decode",
+                                                 "static, compiled decode, W8A8 int8 GEMMs from 2 rows"]
+    assert [STATIC.simplicity_of(c) for c in both] == [2, 3]
+    assert STATIC.unavailable(model, both[1]) is None
+    assert "no W8A8 layer" in STATIC.unavailable(tiny_lm("llama"), both[1])
+    with pytest.raises(ValueError, match="w8a8_weight_only_rows"):
+        cache_config(True, w8a8_weight_only_rows=-1)
