@@ -41,6 +41,7 @@ measures it (``static_w8a8_weight_only_rows``) rather than assume it. The eager 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 import weakref
@@ -53,7 +54,6 @@ from torch import nn
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
 from opus.models.attention import DOT, check_kernel
-from opus.quant.formats.w8a8 import Int8DynamicLinear, int8_activations_from
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
@@ -66,6 +66,12 @@ _STEPS: Steps = weakref.WeakKeyDictionary()
 _PREFILLS: Steps = weakref.WeakKeyDictionary()
 _SERIAL = itertools.count()
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
+WEIGHT_ONLY_ROWS = "w8a8_weight_only_rows"
+# Kernel choices a compiled step is traced (and always run) under, by option: (the setting's context for a
+# value, whether a module is one it applies to). The room that owns the kernel registers it
+# (opus.quant.formats.w8a8), since opus.kv sits below opus.quant.
+StepSetting = tuple[Callable[[Any], contextlib.AbstractContextManager[None]], Callable[[nn.Module], bool]]
+STEP_SETTINGS: dict[str, StepSetting] = {}
 
 
 def slots_for(tokens: int, slot_multiple: int) -> int:
@@ -284,11 +290,12 @@ def _compiled(model: nn.Module, attention: str, weight_only_rows: int | None, st
 def _traced_with(weight_only_rows: int | None, compiled: Step) -> Step:
     """``compiled`` always called (and so traced) with W8A8's weight-only threshold at ``weight_only_rows``:
     the graph keeps the branch it was traced with (no guards on the model's modules)."""
-    if weight_only_rows is None:
+    if weight_only_rows is None or WEIGHT_ONLY_ROWS not in STEP_SETTINGS:  # no W8A8 layer was ever built
         return compiled
+    setting = STEP_SETTINGS[WEIGHT_ONLY_ROWS][0]
 
     def step(*args: Any) -> torch.Tensor:
-        with int8_activations_from(weight_only_rows):
+        with setting(weight_only_rows):
             return compiled(*args)
 
     return step
@@ -396,13 +403,14 @@ class _StaticKind(KindBase):
             device = next(iter(model.parameters())).device
             if device.type != "cpu":
                 return f"the blocked attention kernel is measured on CPUs only; on {device} the cache runs sdpa"
-        if options.get("w8a8_weight_only_rows") is not None and not _has_w8a8(model):
+        if options.get(WEIGHT_ONLY_ROWS) is not None and not _has_w8a8(model):
             return "the model has no W8A8 layer whose threshold it could set"
         return decoder_reason(model)
 
 
 def _has_w8a8(model: nn.Module) -> bool:
-    return any(isinstance(m, Int8DynamicLinear) for m in model.modules())
+    applies = STEP_SETTINGS.get(WEIGHT_ONLY_ROWS, (None, lambda _m: False))[1]
+    return any(applies(m) for m in model.modules())
 
 
 STATIC = register_kind(_StaticKind())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.kv.static import STEP_SETTINGS, WEIGHT_ONLY_ROWS
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
 from opus.quant.kernels import fake_int8_activation, int8_per_tensor, int8_per_token
@@ -116,6 +117,10 @@ def int8_activations_from(rows: int) -> Iterator[None]:
 def int8_activations_at_every_size() -> contextlib.AbstractContextManager[None]:
     """The eager reference for an export's parity check: int8 activations at every row count."""
     return int8_activations_from(0)
+
+
+# The static cache's compiled steps may be traced with another threshold (its w8a8_weight_only_rows option).
+STEP_SETTINGS[WEIGHT_ONLY_ROWS] = (int8_activations_from, lambda module: isinstance(module, Int8DynamicLinear))
 
 
 class MinRows(nn.Module):
