@@ -37,7 +37,7 @@ number of sequences whose caches, allocated in steps, fit it::
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -84,7 +84,8 @@ class Config(BaseModel):
     # Up to how many rows a W8A8 layer runs its weight-only kernel inside the static cache's compiled steps,
     # each a candidate: null = the layers' default (16); 1 = the int8 GEMM with per-token activations from
     # two rows on (a batched decode step), which won on an AMX Xeon and lost on an AMD EPYC.
-    static_w8a8_weight_only_rows: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
+    static_w8a8_weight_only_rows: list[Annotated[int, Field(ge=0)] | None] = Field(default_factory=lambda: [None],
+                                                                               min_length=1)
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
     cuda_graph: bool | None = None
