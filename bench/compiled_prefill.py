@@ -14,9 +14,9 @@ also compiles):
 - ``… and bf16 K/V``, ``… and int8 K/V``: the same with the cache keeping K/V in bfloat16, or in int8
   with a scale per token and head (opus.kv.stored; decode attention as two matmuls); lossy: each
   one's perplexity through the cache against the growing cache's is printed too;
-- ``… int8 GEMMs from 2 rows``: the blocked contender on a copy of the model whose W8A8 layers quantize
-  their activations from two rows on (``int8_activations_from(1)``) instead of running decode sizes up to
-  16 rows through the weight-only kernel: what that threshold is worth on this CPU.
+- ``… int8 GEMMs from 2 rows``: the blocked contender with the static cache's ``w8a8_weight_only_rows: 1``
+  (its compiled steps' W8A8 layers quantize their activations from two rows on instead of running decode
+  sizes up to 16 rows through the weight-only kernel): what that threshold is worth on this CPU.
 
 ``--skip N`` leaves contender N out (0 is the baseline and stays; repeatable).
 
@@ -56,7 +56,6 @@ from opus.models import load_model  # noqa: E402
 from opus.pipeline.spec import TextSetSpec  # noqa: E402
 from opus.quant.apply import quantize_model  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
-from opus.quant.formats.w8a8 import Int8DynamicLinear, int8_activations_from  # noqa: E402
 from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.engine import generate  # noqa: E402
 from opus.runtime.kv_fidelity import FIDELITY_BLOCKS, FIDELITY_LEN, ppl_through_cache  # noqa: E402
@@ -64,7 +63,6 @@ from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
               "… blocked attention", "… and bf16 K/V", "… and int8 K/V", "… int8 GEMMs from 2 rows")
-INT8_FROM_2 = CONTENDERS[6]
 LOSSY = {CONTENDERS[4]: "bf16", CONTENDERS[5]: "int8"}
 
 
@@ -140,18 +138,12 @@ def main() -> None:
               CONTENDERS[3]: static.cache_config(True, compile_prefill=True, attention="blocked"),
               CONTENDERS[4]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="bfloat16"),
               CONTENDERS[5]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="int8"),
-              INT8_FROM_2: static.cache_config(True, compile_prefill=True, attention="blocked")}
+              CONTENDERS[6]: static.cache_config(True, compile_prefill=True, attention="blocked",
+                                                 w8a8_weight_only_rows=1)}
     caches = {name: c for name, c in caches.items() if CONTENDERS.index(name) not in args.skip}
-    # A copy of its own: compiled steps are kept per model, and each is traced with the threshold it ran under.
-    models = {name: copy.deepcopy(model) if name == INT8_FROM_2 else model for name in caches}
-    rows = {name: 1 if name == INT8_FROM_2 else Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS for name in caches}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
-        def run(p: torch.Tensor, n: int, c: dict[str, Any] = config, m: torch.nn.Module = models[name],
-                r: int = rows[name]) -> Any:
-            with int8_activations_from(r):
-                return generate(m, p, n, cache_factory(m, c))
-        runs[name] = run
+        runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
     table: dict[int, dict[str, dict[str, float]]] = {}
     record: dict[str, Any] = {}
     with recorded(record):
@@ -159,8 +151,7 @@ def main() -> None:
             seen = rounds(runs, prompts[:batch], args.output_len, args.repeats)
             table[batch] = {name: figures(results, batch, args.output_len) for name, results in seen.items()}
             for name in [n for n in CONTENDERS[2:] if n in caches]:
-                with int8_activations_from(rows[name]):
-                    agree, gap = prefill_gap(models[name], prompts[:batch], [static.cache_config(True), caches[name]])
+                agree, gap = prefill_gap(model, prompts[:batch], [static.cache_config(True), caches[name]])
                 table[batch][name].update(agree=agree, gap=gap)
     held_out = prompts[:FIDELITY_BLOCKS, :FIDELITY_LEN]
     ppl = {"growing": ppl_through_cache(model, held_out, None)}

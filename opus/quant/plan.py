@@ -97,15 +97,14 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     with request.cluster() if request.cluster else nullcontext() as pool:
         sweep = dict(group_size=request.group_size, scoring=request.scoring, units=tally, progress=progress,
                      total=total, pool=pool)
-        # Activation formats are scored as they will run: after SmoothQuant (exact in float).
+        # Activation formats are scored as they will run: after SmoothQuant (exact in float); the Taylor
+        # proxy scores them beside the plain ones from the factors, the other methods on the smoothed model.
         factors = choose_factors(model, stats, smooth_groups(model)) if act else []
-        if act and scores_smoothed_in_one_pass(model, request.scoring):
-            scores = measure_sensitivity(model, free, plain + act, blocks, input_scales=input_scales(factors),
-                                         **sweep)
-            fold_factors(model, factors)
-        else:
-            scores = measure_sensitivity(model, free, plain, blocks, **sweep)
-            fold_factors(model, factors)
+        one_pass = bool(act) and scores_smoothed_in_one_pass(model, request.scoring)
+        scores = measure_sensitivity(model, free, plain + act if one_pass else plain, blocks,
+                                     input_scales=input_scales(factors) if one_pass else None, **sweep)
+        fold_factors(model, factors)
+        if act and not one_pass:
             more = measure_sensitivity(model, free, act, blocks, done=len(free) * len(plain), **sweep)
             for name, by_fmt in more.items():
                 scores.setdefault(name, {}).update(by_fmt)
