@@ -16,7 +16,10 @@ also compiles):
   one's perplexity through the cache against the growing cache's is printed too;
 - ``… int8 GEMMs from 2 rows``: the blocked contender with the static cache's ``w8a8_weight_only_rows: 1``
   (its compiled steps' W8A8 layers quantize their activations from two rows on instead of running decode
-  sizes up to 16 rows through the weight-only kernel): what that threshold is worth on this CPU.
+  sizes up to 16 rows through the weight-only kernel): what that threshold is worth on this CPU;
+- ``… via torch._int_mm``: that contender with W8A8's int8 GEMMs through ``torch._int_mm`` (the weight
+  handed to oneDNN unpacked on every call) instead of oneDNN's packed kernel (opus.quant.onednn, the
+  default where available): what packing the weights is worth on this CPU.
 
 ``--skip N`` leaves contender N out (0 is the baseline and stays; repeatable).
 
@@ -54,6 +57,7 @@ from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
 from opus.models import load_model  # noqa: E402
 from opus.pipeline.spec import TextSetSpec  # noqa: E402
+from opus.quant import onednn  # noqa: E402
 from opus.quant.apply import quantize_model  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
 from opus.runtime.data import load_blocks  # noqa: E402
@@ -62,7 +66,8 @@ from opus.runtime.kv_fidelity import FIDELITY_BLOCKS, FIDELITY_LEN, ppl_through_
 from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
-              "… blocked attention", "… and bf16 K/V", "… and int8 K/V", "… int8 GEMMs from 2 rows")
+              "… blocked attention", "… and bf16 K/V", "… and int8 K/V", "… int8 GEMMs from 2 rows",
+              "… via torch._int_mm")
 LOSSY = {CONTENDERS[4]: "bf16", CONTENDERS[5]: "int8"}
 
 
@@ -105,6 +110,14 @@ def figures(results: list[Any], batch: int, new_tokens: int) -> dict[str, float]
             "p_tok_s": statistics.median(batch * new_tokens / r.total_s for r in results)}
 
 
+def _generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, cache: dict[str, Any],
+              packed: bool) -> Any:
+    """``generate`` through ``cache``; ``packed``: W8A8's int8 GEMMs through oneDNN's packed kernel where
+    available (the compiled steps guard on the switch: each setting keeps a graph of its own)."""
+    with onednn.use(packed and onednn.available() is None):
+        return generate(model, prompts, new_tokens, cache_factory(model, cache))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/k3/model")
@@ -140,10 +153,11 @@ def main() -> None:
               CONTENDERS[5]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="int8"),
               CONTENDERS[6]: static.cache_config(True, compile_prefill=True, attention="blocked",
                                                  w8a8_weight_only_rows=1)}
+    caches[CONTENDERS[7]] = caches[CONTENDERS[6]]
     caches = {name: c for name, c in caches.items() if CONTENDERS.index(name) not in args.skip}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
-        runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
+        runs[name] = lambda p, n, c=config, packed=name != CONTENDERS[7]: _generate(model, p, n, c, packed)
     table: dict[int, dict[str, dict[str, float]]] = {}
     record: dict[str, Any] = {}
     with recorded(record):
@@ -151,7 +165,8 @@ def main() -> None:
             seen = rounds(runs, prompts[:batch], args.output_len, args.repeats)
             table[batch] = {name: figures(results, batch, args.output_len) for name, results in seen.items()}
             for name in [n for n in CONTENDERS[2:] if n in caches]:
-                agree, gap = prefill_gap(model, prompts[:batch], [static.cache_config(True), caches[name]])
+                with onednn.use(name != CONTENDERS[7] and onednn.available() is None):
+                    agree, gap = prefill_gap(model, prompts[:batch], [static.cache_config(True), caches[name]])
                 table[batch][name].update(agree=agree, gap=gap)
     held_out = prompts[:FIDELITY_BLOCKS, :FIDELITY_LEN]
     ppl = {"growing": ppl_through_cache(model, held_out, None)}
@@ -161,7 +176,8 @@ def main() -> None:
     print(f"{args.model}: {args.format} + fusion, {args.prefill_experts} experts at prefill; "
           f"input {args.input_len}, output {args.output_len}, "
           f"{args.repeats} interleaved rounds, ratios to fp32 eager in the same rounds; "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}; W8A8 int8 GEMMs: "
+          + (f"torch._int_mm ({onednn.available()})" if onednn.available() else "oneDNN packed"))
     if static.compile_notes():
         print("compile fallbacks: " + "; ".join(static.compile_notes()))
     print(f"{'contender':<38}{'batch':>6}{'prefill ms':>11}{'×':>6}{'decode tok/s':>13}{'×':>6}{'P tok/s':>9}{'×':>6}"

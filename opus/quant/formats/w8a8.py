@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.kv.static import STEP_SETTINGS, WEIGHT_ONLY_ROWS
+from opus.quant import onednn
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
 from opus.quant.kernels import fake_int8_activation, int8_per_tensor, int8_per_token
@@ -42,6 +43,7 @@ class Int8DynamicLinear(Int8WeightLinear):
         # as fast as a contiguous one (measured) and cuBLASLt requires.
         super().__init__(in_features, out_features, bias, (1, out_features))
         self.per_token = per_token
+        onednn.settle()
         if not per_token:
             self.fmt = "w8a8_tensor"
 
@@ -85,7 +87,10 @@ class Int8DynamicLinear(Int8WeightLinear):
 
 def _int8_linear(x: torch.Tensor, q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
                  scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = (torch._int_mm(q, qweight.t()) * x_scale).mul_(scale).to(x.dtype)  # int32 × fp32 promotes in one op
+    if onednn.active() and q.device.type == "cpu" and not torch.compiler.is_exporting():
+        y = (onednn.int8_linear(q, qweight, scale) * x_scale).to(x.dtype)
+    else:
+        y = (torch._int_mm(q, qweight.t()) * x_scale).mul_(scale).to(x.dtype)  # int32 × fp32 promotes in one op
     return y if bias is None else y + bias.to(y.dtype)
 
 
