@@ -17,9 +17,10 @@ also compiles):
 - ``… int8 GEMMs from 2 rows``: the blocked contender with the static cache's ``w8a8_weight_only_rows: 1``
   (its compiled steps' W8A8 layers quantize their activations from two rows on instead of running decode
   sizes up to 16 rows through the weight-only kernel): what that threshold is worth on this CPU;
-- ``… via torch._int_mm``: that contender with W8A8's int8 GEMMs through ``torch._int_mm`` (the weight
-  handed to oneDNN unpacked on every call) instead of oneDNN's packed kernel (opus.quant.onednn, the
-  default where available): what packing the weights is worth on this CPU.
+- ``… packed at prefill``, ``… packed at both``: that contender with the static cache's
+  ``w8a8_packed_gemm`` (its compiled prefill, or its prefill and decode steps, run W8A8's int8 GEMMs
+  through oneDNN's packed kernel, opus.quant.onednn, instead of ``torch._int_mm``, which hands oneDNN the
+  weight unpacked on every call): what packing the weights is worth on this CPU.
 
 ``--skip N`` leaves contender N out (0 is the baseline and stays; repeatable).
 
@@ -67,7 +68,7 @@ from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
               "… blocked attention", "… and bf16 K/V", "… and int8 K/V", "… int8 GEMMs from 2 rows",
-              "… via torch._int_mm")
+              "… packed at prefill", "… packed at both")
 LOSSY = {CONTENDERS[4]: "bf16", CONTENDERS[5]: "int8"}
 
 
@@ -110,14 +111,6 @@ def figures(results: list[Any], batch: int, new_tokens: int) -> dict[str, float]
             "p_tok_s": statistics.median(batch * new_tokens / r.total_s for r in results)}
 
 
-def _generate(model: torch.nn.Module, prompts: torch.Tensor, new_tokens: int, cache: dict[str, Any],
-              packed: bool) -> Any:
-    """``generate`` through ``cache``; ``packed``: W8A8's int8 GEMMs through oneDNN's packed kernel where
-    available (the compiled steps guard on the switch: each setting keeps a graph of its own)."""
-    with onednn.use(packed and onednn.available() is None):
-        return generate(model, prompts, new_tokens, cache_factory(model, cache))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/k3/model")
@@ -153,11 +146,13 @@ def main() -> None:
               CONTENDERS[5]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="int8"),
               CONTENDERS[6]: static.cache_config(True, compile_prefill=True, attention="blocked",
                                                  w8a8_weight_only_rows=1)}
-    caches[CONTENDERS[7]] = caches[CONTENDERS[6]]
+    caches.update({CONTENDERS[6 + index]: static.cache_config(True, compile_prefill=True, attention="blocked",
+                                                            w8a8_weight_only_rows=1, w8a8_packed_gemm=where)
+                   for index, where in ((1, "prefill"), (2, "both")) if onednn.available() is None})
     caches = {name: c for name, c in caches.items() if CONTENDERS.index(name) not in args.skip}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
-        runs[name] = lambda p, n, c=config, packed=name != CONTENDERS[7]: _generate(model, p, n, c, packed)
+        runs[name] = lambda p, n, c=config: generate(model, p, n, cache_factory(model, c))
     table: dict[int, dict[str, dict[str, float]]] = {}
     record: dict[str, Any] = {}
     with recorded(record):
@@ -165,8 +160,7 @@ def main() -> None:
             seen = rounds(runs, prompts[:batch], args.output_len, args.repeats)
             table[batch] = {name: figures(results, batch, args.output_len) for name, results in seen.items()}
             for name in [n for n in CONTENDERS[2:] if n in caches]:
-                with onednn.use(name != CONTENDERS[7] and onednn.available() is None):
-                    agree, gap = prefill_gap(model, prompts[:batch], [static.cache_config(True), caches[name]])
+                agree, gap = prefill_gap(model, prompts[:batch], [static.cache_config(True), caches[name]])
                 table[batch][name].update(agree=agree, gap=gap)
     held_out = prompts[:FIDELITY_BLOCKS, :FIDELITY_LEN]
     ppl = {"growing": ppl_through_cache(model, held_out, None)}
@@ -176,8 +170,8 @@ def main() -> None:
     print(f"{args.model}: {args.format} + fusion, {args.prefill_experts} experts at prefill; "
           f"input {args.input_len}, output {args.output_len}, "
           f"{args.repeats} interleaved rounds, ratios to fp32 eager in the same rounds; "
-          f"threads {torch.get_num_threads()}; W8A8 int8 GEMMs: "
-          + (f"torch._int_mm ({onednn.available()})" if onednn.available() else "oneDNN packed"))
+          f"threads {torch.get_num_threads()}"
+          + (f"; no packed contenders: {onednn.available()}" if onednn.available() else ""))
     if static.compile_notes():
         print("compile fallbacks: " + "; ".join(static.compile_notes()))
     print(f"{'contender':<38}{'batch':>6}{'prefill ms':>11}{'×':>6}{'decode tok/s':>13}{'×':>6}{'P tok/s':>9}{'×':>6}"

@@ -37,6 +37,10 @@ lossy: kv_config measures its perplexity through the cache before it may race.
 only up to N rows (the layers' default is 16), the int8 GEMM with per-token activations above: which of
 the two is faster at a batched decode step depends on the CPU (opus.quant.formats.w8a8), so kv_config
 measures it (``static_w8a8_weight_only_rows``) rather than assume it. The eager steps keep the default.
+``w8a8_packed_gemm: prefill | decode | both`` traces those steps with W8A8's int8 GEMMs through oneDNN's
+packed kernel (opus.quant.onednn) instead of ``torch._int_mm``: it saves a pass over each weight per call
+and costs a fixed toll per call, so it wins on big layers and loses on tiny ones (measured: ``kv_config``'s
+``static_w8a8_packed_gemm``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ _PREFILLS: Steps = weakref.WeakKeyDictionary()
 _SERIAL = itertools.count()
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
 WEIGHT_ONLY_ROWS = "w8a8_weight_only_rows"
+PACKED_GEMM = "w8a8_packed_gemm"
+PACKED_PHASES = {"prefill": ("prefill",), "decode": ("decode",), "both": ("prefill", "decode")}
+StepKey = tuple[tuple[str, Any], ...]  # the settings a compiled step is traced under, (option, value)
 # Kernel choices a compiled step is traced (and always run) under, by option: (the setting's context for a
 # value, whether a module is one it applies to). The room that owns the kernel registers it
 # (opus.quant.formats.w8a8), since opus.kv sits below opus.quant.
@@ -168,7 +175,7 @@ class CompiledStaticKVCache(_Slots):
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False,
                  attention: str = "sdpa", kv_dtype: str | None = None,
-                 w8a8_weight_only_rows: int | None = None) -> None:
+                 w8a8_weight_only_rows: int | None = None, w8a8_packed_gemm: str | None = None) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
@@ -183,6 +190,7 @@ class CompiledStaticKVCache(_Slots):
         self.prefills_itself = compile_prefill
         self.attention = check_kernel(attention)
         self.weight_only_rows = w8a8_weight_only_rows
+        self.packed_phases = PACKED_PHASES[w8a8_packed_gemm] if w8a8_packed_gemm else ()
         self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
         self._lens = [0] * int(shape.num_layers)
 
@@ -223,7 +231,7 @@ class CompiledStaticKVCache(_Slots):
         padded = torch.nn.functional.pad(input_ids, (0, length - tokens))  # token 0: never seen, overwritten
         self._last.fill_(tokens - 1)
         attention = self.attention
-        prefill = (compiled_prefill(model, attention, self.weight_only_rows) if self.compile_decode
+        prefill = (compiled_prefill(model, attention, self.step_settings("prefill")) if self.compile_decode
                    else eager_prefill(model, attention))
         out = prefill(padded, self._last, self.k, self.v, self.scales)
         self._lens = [tokens] * len(self._lens)
@@ -231,9 +239,14 @@ class CompiledStaticKVCache(_Slots):
 
     def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
-        step = (compiled_step(model, self.attention, self.weight_only_rows) if self.compile_decode
+        step = (compiled_step(model, self.attention, self.step_settings("decode")) if self.compile_decode
                 else eager_step(model, self.attention))
         return step(input_ids, self.position, self.k, self.v, self.key_pos, self.scales)
+
+    def step_settings(self, phase: str) -> StepKey:
+        """The kernel settings this cache's compiled ``phase`` (prefill or decode) is traced under."""
+        rows = () if self.weight_only_rows is None else ((WEIGHT_ONLY_ROWS, self.weight_only_rows),)
+        return rows + (((PACKED_GEMM, True),) if phase in self.packed_phases else ())
 
     def _check(self, end: int, batch: int) -> None:
         if end > self.slots:
@@ -265,37 +278,39 @@ def eager_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
     return prefill
 
 
-def compiled_step(model: nn.Module, attention: str = "sdpa", weight_only_rows: int | None = None) -> Step:
-    """The model's decode step compiled (once per model, attention kernel and W8A8 weight-only rows;
+def compiled_step(model: nn.Module, attention: str = "sdpa", settings: StepKey = ()) -> Step:
+    """The model's decode step compiled (once per model, attention kernel and kernel settings;
     inductor recompiles per batch and slot count)."""
-    return _compiled(model, attention, weight_only_rows, _STEPS, eager_step, "decode step")
+    return _compiled(model, attention, settings, _STEPS, eager_step, "decode step")
 
 
-def compiled_prefill(model: nn.Module, attention: str = "sdpa", weight_only_rows: int | None = None) -> Step:
-    """The model's padded prefill compiled (once per model, attention kernel and W8A8 weight-only rows;
+def compiled_prefill(model: nn.Module, attention: str = "sdpa", settings: StepKey = ()) -> Step:
+    """The model's padded prefill compiled (once per model, attention kernel and kernel settings;
     recompiled per batch, bucket and slot count)."""
-    return _compiled(model, attention, weight_only_rows, _PREFILLS, eager_prefill, "prefill")
+    return _compiled(model, attention, settings, _PREFILLS, eager_prefill, "prefill")
 
 
-def _compiled(model: nn.Module, attention: str, weight_only_rows: int | None, steps: Steps,
+def _compiled(model: nn.Module, attention: str, settings: StepKey, steps: Steps,
               eager: Callable[[nn.Module, str], Step], what: str) -> Step:
     own = steps.setdefault(model, {})
-    key = attention if weight_only_rows is None else f"{attention}, w8a8 weight-only ≤ {weight_only_rows} rows"
+    key = ", ".join([attention, *(f"{option} {value}" for option, value in settings)])
     if key not in own:
-        compiled = _traced_with(weight_only_rows, compile_step(eager(model, attention)))
+        compiled = _traced_with(settings, compile_step(eager(model, attention)))
         own[key] = _with_fallback(model, attention, key, compiled, own, eager, what)
     return own[key]
 
 
-def _traced_with(weight_only_rows: int | None, compiled: Step) -> Step:
-    """``compiled`` always called (and so traced) with W8A8's weight-only threshold at ``weight_only_rows``:
-    the graph keeps the branch it was traced with (no guards on the model's modules)."""
-    if weight_only_rows is None or WEIGHT_ONLY_ROWS not in STEP_SETTINGS:  # no W8A8 layer was ever built
+def _traced_with(settings: StepKey, compiled: Step) -> Step:
+    """``compiled`` always called (and so traced) under ``settings``' kernel choices (W8A8's weight-only
+    threshold, its packed GEMM): the graph keeps the branch it was traced with."""
+    known = [(STEP_SETTINGS[option][0], value) for option, value in settings if option in STEP_SETTINGS]
+    if not known:  # no W8A8 layer was ever built
         return compiled
-    setting = STEP_SETTINGS[WEIGHT_ONLY_ROWS][0]
 
     def step(*args: Any) -> torch.Tensor:
-        with setting(weight_only_rows):
+        with contextlib.ExitStack() as stack:
+            for setting, value in known:
+                stack.enter_context(setting(value))
             return compiled(*args)
 
     return step
@@ -361,13 +376,13 @@ def decoder_reason(model: nn.Module) -> str | None:
 
 class _StaticKind(KindBase):
     name, provider, simplicity = KIND, PROVIDER, 2
-    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype", "w8a8_weight_only_rows")
+    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype", WEIGHT_ONLY_ROWS, PACKED_GEMM)
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         self.check_options(options)
         return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options),
                                      bool(options.get("compile_prefill", False)), options.get("attention", "sdpa"),
-                                     options.get("kv_dtype"), options.get("w8a8_weight_only_rows"))
+                                     options.get("kv_dtype"), options.get(WEIGHT_ONLY_ROWS), options.get(PACKED_GEMM))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # The context rounded up to whole slot multiples, allocated at once.
@@ -380,12 +395,15 @@ class _StaticKind(KindBase):
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
         rows = options.get("w8a8_weight_only_rows")
         gemm = f", W8A8 int8 GEMMs from {rows + 1} rows" if rows is not None else ""
-        return (f"static, compiled {' and '.join(compiled)}" if compiled else "static") + kernel + narrow + gemm
+        packed = f", packed oneDNN int8 GEMMs at {options[PACKED_GEMM]}" if options.get(PACKED_GEMM) else ""
+        head = f"static, compiled {' and '.join(compiled)}" if compiled else "static"
+        return head + kernel + narrow + gemm + packed
 
     def simplicity_of(self, options: dict[str, Any]) -> int:
         blocked = options.get("attention", "sdpa") == "blocked"
-        rows = options.get("w8a8_weight_only_rows") is not None
-        return self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype")) + rows
+        rows = options.get(WEIGHT_ONLY_ROWS) is not None
+        return (self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype")) + rows
+                + bool(options.get(PACKED_GEMM)))
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         if not settings.get("include_static", True):
@@ -395,8 +413,10 @@ class _StaticKind(KindBase):
         kernels = [check_kernel(k) for k in settings.get("static_attention", ["sdpa"])]
         dtypes = settings.get("static_kv_dtypes", [None])
         thresholds = settings.get("static_w8a8_weight_only_rows", [None])
-        return [cache_config(True, multiple, prefill, kernel, dtype, rows) for rows in thresholds
-                for dtype in dtypes for prefill in prefills for kernel in kernels]
+        packings = settings.get("static_w8a8_packed_gemm", [None])
+        return [cache_config(True, multiple, prefill, kernel, dtype, rows, packed) for packed in packings
+                for rows in thresholds for dtype in dtypes for prefill in prefills for kernel in kernels
+                if prefill or packed not in ("prefill", "both")]  # the eager prefill keeps _int_mm
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
         if options.get("attention", "sdpa") == "blocked":
@@ -405,6 +425,8 @@ class _StaticKind(KindBase):
                 return f"the blocked attention kernel is measured on CPUs only; on {device} the cache runs sdpa"
         if options.get(WEIGHT_ONLY_ROWS) is not None and not _has_w8a8(model):
             return "the model has no W8A8 layer whose threshold it could set"
+        if options.get(PACKED_GEMM):
+            return _packed_reason(model)
         return decoder_reason(model)
 
 
@@ -413,12 +435,24 @@ def _has_w8a8(model: nn.Module) -> bool:
     return any(applies(m) for m in model.modules())
 
 
+def _packed_reason(model: nn.Module) -> str | None:
+    if not _has_w8a8(model):
+        return "the model has no W8A8 layer whose int8 GEMMs could be packed"
+    if next(iter(model.parameters())).device.type != "cpu":
+        return "oneDNN's packed int8 GEMM runs on CPUs"
+    try:
+        with STEP_SETTINGS[PACKED_GEMM][0](True):  # refuses where the kernel is missing or computes wrong
+            return None
+    except ValueError as error:
+        return str(error)
+
+
 STATIC = register_kind(_StaticKind())
 
 
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
                  compile_prefill: bool = False, attention: str = "sdpa", kv_dtype: str | None = None,
-                 w8a8_weight_only_rows: int | None = None) -> dict[str, Any]:
+                 w8a8_weight_only_rows: int | None = None, w8a8_packed_gemm: str | None = None) -> dict[str, Any]:
     # Options at their defaults are left out: the configs of old stay as they were.
     prefill = {"compile_prefill": True} if compile_prefill else {}
     kernel = {"attention": check_kernel(attention)} if attention != "sdpa" else {}
@@ -428,4 +462,8 @@ def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_
     rows = {} if w8a8_weight_only_rows is None else {"w8a8_weight_only_rows": w8a8_weight_only_rows}
     if rows and (not isinstance(w8a8_weight_only_rows, int) or w8a8_weight_only_rows < 0):
         raise ValueError(f"w8a8_weight_only_rows must be a number of rows, 0 or more, got {w8a8_weight_only_rows!r}")
-    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow, **rows)
+    if w8a8_packed_gemm is not None and w8a8_packed_gemm not in PACKED_PHASES:
+        raise ValueError(f"w8a8_packed_gemm must be one of {', '.join(PACKED_PHASES)}, got {w8a8_packed_gemm!r}")
+    packed = {PACKED_GEMM: w8a8_packed_gemm} if w8a8_packed_gemm else {}
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow, **rows,
+                         **packed)

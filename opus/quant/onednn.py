@@ -11,9 +11,11 @@ trace) and finds its packed twin in a table keyed by that tensor's identity, pac
 the twin goes when the weight does. The op is a leaf to the compiler (a fake kernel gives its shape),
 so compiled decode steps and prefills call the packed kernel directly.
 
-It is on wherever ``available()`` finds the op present and agreeing with ``_int_mm`` on a small
-product (a torch without oneDNN, a CPU it has no int8 kernel for: ``_int_mm`` as before); ``use(False)``
-turns it off for a while (bench/packed_int8.py races the two side by side). The packed twins cost the
+It is off unless asked for (``use``), which ``available()`` allows where the op is present and agrees
+with ``_int_mm`` on a small product. Measured, it saves a pass over the weight per call and costs a fixed
+toll per call (a call into Python and oneDNN's argument set-up, some 20-30 µs): big layers win, tiny ones
+lose. So the static KV cache's compiled steps take it where ``kv_config`` measured it faster
+(``w8a8_packed_gemm``, opus.kv.static), and the eager paths keep ``_int_mm``. The packed twins cost the
 int8 weights' bytes once more (``packed_bytes``).
 """
 
@@ -29,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 _PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # qweight → (packed weight, zero points)
 _LIB = torch.library.Library("opus", "FRAGMENT")
 _LIB.define("onednn_int8_linear(Tensor q, Tensor qweight, Tensor scale) -> Tensor")
-_ACTIVE: list[bool | None] = [None]  # None: on where available()
+_ACTIVE = [False]
 
 
 def _packed(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,16 +83,10 @@ def available() -> str | None:
     return None
 
 
-def settle() -> None:
-    """Turns the kernel on where ``available()``, unless told otherwise: once, eagerly (each W8A8 layer
-    built calls it), so that a compiled graph only reads a flag and guards on it."""
-    if _ACTIVE[0] is None:
-        _ACTIVE[0] = available() is None
-
-
 def active() -> bool:
-    """Whether W8A8 layers on the CPU take their int8 GEMM from the packed oneDNN kernel now."""
-    return bool(_ACTIVE[0])
+    """Whether W8A8 layers on the CPU take their int8 GEMM from the packed oneDNN kernel now (a compiled
+    graph reads this flag when it is traced, and guards on it)."""
+    return _ACTIVE[0]
 
 
 @contextlib.contextmanager

@@ -360,3 +360,56 @@ def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured
     assert "no W8A8 layer" in STATIC.unavailable(tiny_lm("llama"), both[1])
     with pytest.raises(ValueError, match="w8a8_weight_only_rows"):
         cache_config(True, w8a8_weight_only_rows=-1)
+
+
+@needs_cxx
+@torch.no_grad()
+def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
+    """``w8a8_packed_gemm``: the compiled prefill and/or decode steps call oneDNN's packed kernel (and
+    compute what ``torch._int_mm`` does); the eager paths and the other phase keep ``_int_mm``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from opus.kv.cache import describe_cache
+    from opus.kv.static import STATIC
+    from opus.quant import onednn
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+
+    if onednn.available() is not None:
+        pytest.skip(onednn.available())
+    model = tiny_lm("llama", hidden_size=64, intermediate_size=128, head_dim=16)
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    quantize_model(model, dict.fromkeys(names, "w8a8"), collect_stats(model, prompts(4, 16)), group_size=32)
+    ids = prompts(2, 20)
+    monkeypatch.setattr(static_cache, "NOTES", [])
+
+    def run(where):  # noqa: ANN001, ANN202 - a phase or None
+        config = cache_config(True, 16, compile_prefill=True, w8a8_weight_only_rows=0, w8a8_packed_gemm=where)
+        generate(model, ids, 4, cache_factory(model, config))  # traced here
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = generate(model, ids, 4, cache_factory(model, config), return_logits=True)
+        calls = sum(e.count for e in prof.key_averages() if "onednn_int8_linear" in e.key)
+        return out.logits, calls
+
+    plain, plain_calls = run(None)
+    prefill, prefill_calls = run("prefill")
+    both, both_calls = run("both")
+    assert static_cache.NOTES == []
+    assert not onednn.active()  # restored after every step
+    layers = sum(1 for n in names if n != "lm_head") + 1
+    assert plain_calls == 0
+    assert prefill_calls == layers  # one prefill: every W8A8 layer once
+    assert both_calls == layers * 4  # and each of the three decode steps
+    torch.testing.assert_close(prefill, plain, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(both, plain, rtol=1e-3, atol=1e-3)
+    options = {"include_static_prefill": True, "static_w8a8_packed_gemm": [None, "decode", "prefill"]}
+    configs = STATIC.candidates(options)
+    assert [describe_cache(c) for c in configs] == [
+        "static, compiled decode", "static, compiled prefill and decode",
+        "static, compiled decode, packed oneDNN int8 GEMMs at decode",
+        "static, compiled prefill and decode, packed oneDNN int8 GEMMs at decode",
+        "static, compiled prefill and decode, packed oneDNN int8 GEMMs at prefill"]  # no eager prefill packed
+    assert STATIC.unavailable(model, configs[-1]) is None
+    assert "no W8A8 layer" in STATIC.unavailable(tiny_lm("llama"), configs[-1])
+    with pytest.raises(ValueError, match="w8a8_packed_gemm must be one of prefill, decode, both"):
+        cache_config(True, w8a8_packed_gemm="sometimes")

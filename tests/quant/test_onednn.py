@@ -28,16 +28,16 @@ def _packed_calls(fn) -> int:  # noqa: ANN001 - any callable
     return sum(event.count for event in prof.key_averages() if "onednn_int8_linear" in event.key)
 
 
-def test_it_is_the_default_and_agrees_with_int_mm() -> None:
+def test_it_is_asked_for_and_agrees_with_int_mm() -> None:
     layer = _layer()
     x = torch.randn(40, 96, generator=torch.Generator().manual_seed(1))
-    assert onednn.active()  # settled on by building a W8A8 layer where available
+    assert not onednn.active()  # off unless asked for: the eager paths keep _int_mm
     with torch.no_grad():
-        packed = layer(x)
-        assert _packed_calls(lambda: layer(x)) == 1
-        with onednn.use(False):
-            unpacked = layer(x)
-            assert _packed_calls(lambda: layer(x)) == 0
+        unpacked = layer(x)
+        assert _packed_calls(lambda: layer(x)) == 0
+        with onednn.use():
+            packed = layer(x)
+            assert _packed_calls(lambda: layer(x)) == 1
     assert packed.abs().max() > 1
     torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-5)
 
@@ -46,12 +46,12 @@ def test_a_weight_is_packed_once_and_its_twin_goes_with_it() -> None:
     layer = _layer(2)
     before = onednn.packed_bytes()
     x = torch.randn(24, 96)
-    with torch.no_grad():
+    with torch.no_grad(), onednn.use():
         for _ in range(3):
             layer(x)
     assert onednn.packed_bytes() - before >= 96 * 80  # one packed twin of the 80 × 96 int8 weight
     grown = onednn.packed_bytes()
-    with torch.no_grad():
+    with torch.no_grad(), onednn.use():
         layer(x)
     assert onednn.packed_bytes() == grown
     del layer
@@ -65,17 +65,18 @@ def test_a_compiled_graph_calls_the_packed_kernel_and_follows_the_switch() -> No
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     with torch.no_grad():
         eager = layer(x)
-        torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-5)  # traced here
-        assert _packed_calls(lambda: compiled(x)) == 1
-        with onednn.use(False):  # the flag is guarded: the graph is traced again without the packed kernel
-            torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-4)
-            assert _packed_calls(lambda: compiled(x)) == 0
+        with onednn.use():
+            torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-4)  # traced here
+            assert _packed_calls(lambda: compiled(x)) == 1
+        # the flag is guarded: the graph is traced again without the packed kernel
+        torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-5)
+        assert _packed_calls(lambda: compiled(x)) == 0
 
 
 def test_exported_graphs_keep_the_portable_int8_gemm() -> None:
     """torch.export (ONNX, the native export) cannot hold a oneDNN-packed weight: it sees _int_mm."""
     layer = _layer(4)
-    with torch.no_grad():
+    with torch.no_grad(), onednn.use():
         program = torch.export.export(layer, (torch.randn(32, 96),))
     targets = {str(node.target) for node in program.graph.nodes}
     assert "aten._int_mm.default" in targets

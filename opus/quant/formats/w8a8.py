@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.kv.static import STEP_SETTINGS, WEIGHT_ONLY_ROWS
+from opus.kv.static import PACKED_GEMM, STEP_SETTINGS, WEIGHT_ONLY_ROWS
 from opus.quant import onednn
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
@@ -43,7 +43,6 @@ class Int8DynamicLinear(Int8WeightLinear):
         # as fast as a contiguous one (measured) and cuBLASLt requires.
         super().__init__(in_features, out_features, bias, (1, out_features))
         self.per_token = per_token
-        onednn.settle()
         if not per_token:
             self.fmt = "w8a8_tensor"
 
@@ -124,8 +123,10 @@ def int8_activations_at_every_size() -> contextlib.AbstractContextManager[None]:
     return int8_activations_from(0)
 
 
-# The static cache's compiled steps may be traced with another threshold (its w8a8_weight_only_rows option).
+# The static cache's compiled steps may be traced with another threshold (its w8a8_weight_only_rows option)
+# and with the packed oneDNN GEMM (w8a8_packed_gemm).
 STEP_SETTINGS[WEIGHT_ONLY_ROWS] = (int8_activations_from, lambda module: isinstance(module, Int8DynamicLinear))
+STEP_SETTINGS[PACKED_GEMM] = (onednn.use, lambda module: isinstance(module, Int8DynamicLinear))
 
 
 class MinRows(nn.Module):
