@@ -89,3 +89,14 @@ def test_use_refuses_where_the_kernel_is_missing(monkeypatch: pytest.MonkeyPatch
         pass
     with onednn.use(False):
         assert not onednn.active()
+
+
+def test_a_long_prefill_is_one_packed_call() -> None:
+    """``_int_mm`` runs rows in chunks (its int32 accumulator); the packed kernel writes fp32 at once."""
+    layer = _layer(5)
+    x = torch.randn(Int8DynamicLinear.CHUNK_ROWS + 64, 96)
+    with torch.no_grad():
+        unpacked = layer(x)
+        with onednn.use():
+            assert _packed_calls(lambda: layer(x)) == 1
+            torch.testing.assert_close(layer(x), unpacked, rtol=1e-5, atol=1e-5)

@@ -65,7 +65,7 @@ class Int8DynamicLinear(Int8WeightLinear):
             return self._int8_matmul(x)
         if x.shape[0] <= self.WEIGHT_ONLY_MAX_ROWS:
             return self._weight_only_matmul(x)
-        if x.shape[0] <= self.CHUNK_ROWS:
+        if x.shape[0] <= self.CHUNK_ROWS or onednn.active():  # oneDNN's packed GEMM has no int32 accumulator
             return self._int8_matmul(x)
         out = x.new_empty(x.shape[0], self.out_features)
         for start in range(0, x.shape[0], self.CHUNK_ROWS):
