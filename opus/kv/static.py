@@ -393,7 +393,7 @@ class _StaticKind(KindBase):
                     if options.get(key, default)]
         kernel = ", blocked attention" if options.get("attention", "sdpa") == "blocked" else ""
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
-        rows = options.get("w8a8_weight_only_rows")
+        rows = options.get(WEIGHT_ONLY_ROWS)
         gemm = f", W8A8 int8 GEMMs from {rows + 1} rows" if rows is not None else ""
         packed = f", packed oneDNN int8 GEMMs at {options[PACKED_GEMM]}" if options.get(PACKED_GEMM) else ""
         head = f"static, compiled {' and '.join(compiled)}" if compiled else "static"
@@ -416,7 +416,7 @@ class _StaticKind(KindBase):
         packings = settings.get("static_w8a8_packed_gemm", [None])
         return [cache_config(True, multiple, prefill, kernel, dtype, rows, packed) for packed in packings
                 for rows in thresholds for dtype in dtypes for prefill in prefills for kernel in kernels
-                if prefill or packed not in ("prefill", "both")]  # the eager prefill keeps _int_mm
+                if prefill or "prefill" not in PACKED_PHASES.get(packed, ())]  # the eager prefill keeps _int_mm
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
         if options.get("attention", "sdpa") == "blocked":
