@@ -85,7 +85,7 @@ def test_fuse_then_kv_config_then_eval_through_the_runner(tmp_path):
     from opus.cli.main import main
 
     stages = [
-        {"id": "fuse", "uses": "fuse", "with": {"measure_time": False},
+        {"id": "fuse", "uses": "fuse", "with": {"measure_time": False, "experts": {"choose": False}},
          "gate": {"fusion_exact_match": {"min": 0.95}}},
         {"id": "kv", "uses": "kv_config", "needs": "fuse", "with": SMALL},
         {"id": "check", "uses": "eval", "needs": "kv", "with": {"quality": False}},
