@@ -56,6 +56,7 @@ from opus.fusion import FusionConfig, fuse_model, lm_probe  # noqa: E402
 from opus.fusion.moe import EXPERT_MODES, grouped_moes, set_modes  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
+from opus.kv.compiled_steps import compile_notes  # noqa: E402
 from opus.models import load_model  # noqa: E402
 from opus.pipeline.spec import TextSetSpec  # noqa: E402
 from opus.quant import onednn  # noqa: E402
@@ -172,8 +173,8 @@ def main() -> None:
           f"{args.repeats} interleaved rounds, ratios to fp32 eager in the same rounds; "
           f"threads {torch.get_num_threads()}"
           + (f"; no packed contenders: {onednn.available()}" if onednn.available() else ""))
-    if static.compile_notes():
-        print("compile fallbacks: " + "; ".join(static.compile_notes()))
+    if compile_notes():
+        print("compile fallbacks: " + "; ".join(compile_notes()))
     print(f"{'contender':<38}{'batch':>6}{'prefill ms':>11}{'×':>6}{'decode tok/s':>13}{'×':>6}{'P tok/s':>9}{'×':>6}"
           f"  prefill vs eager prefill: next token agrees, max |Δ logit|")
     for batch, rows in table.items():

@@ -50,7 +50,7 @@ def measure_incoming(ctx: Any, cfg: MeasureConfig, extra_units: int = 0) -> Meas
     ``extra_units`` is progress work the stage will do afterwards, so the ETA covers it.
     """
     from opus.kv.cache import cache_config_from_recipe, cache_factory
-    from opus.kv.static import compile_notes
+    from opus.kv.compiled_steps import compile_notes
     from opus.runtime.engine import supports_cache
     from opus.runtime.metrics import Progress, Settings, measure_suite, prepare_inputs
 

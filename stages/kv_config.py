@@ -257,8 +257,8 @@ def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: in
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     import torch
 
-    from opus.kv import static as static_cache
     from opus.kv.cache import kv_cache_step
+    from opus.kv.compiled_steps import compile_notes
     from opus.kv.sizing import kv_bytes_per_token, memory_budget
     from opus.runtime.data import random_blocks
     from opus.runtime.engine import model_device, supports_cache
@@ -335,7 +335,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
             metrics[f"kv_speedup_vs_growing_b{batch}"] = row["throughput_tok_s"] / growing[0]["throughput_tok_s"]
     if f"kv_speedup_vs_growing_b{best['batch_size']}" in metrics:
         metrics["kv_speedup_vs_growing"] = metrics[f"kv_speedup_vs_growing_b{best['batch_size']}"]
-    notes = static_cache.compile_notes()
+    notes = compile_notes()
     for note in notes:
         ctx.log(note)
     ctx.write_artifact(KV_CONFIG_FILE, {"chosen": chosen, "sizing": sizing, "candidates": rows,

@@ -230,7 +230,7 @@ def opus_run(ctx: BenchContext) -> Built:
 
 def _compile_notes(notes: list[str]) -> None:
     """A static cache that could not compile its decode step ran it eagerly: the row says so."""
-    from opus.kv.static import compile_notes
+    from opus.kv.compiled_steps import compile_notes
 
     notes.extend(n for n in compile_notes() if n not in notes)
 

@@ -8,7 +8,7 @@ step, instead of being compiled, is captured once per cache in a ``torch.cuda.CU
 replayed: each later step is one ``replay()`` with no Python or dispatch work at all. With
 ``capture: false``, or off CUDA, the very same step runs uncaptured (how CPU CI exercises it). A step
 that cannot be captured (an op that syncs with the host, such as a data-dependent MoE gather) runs
-uncaptured from then on and says why in ``opus.kv.static.NOTES``.
+uncaptured from then on and says why in ``opus.kv.compiled_steps.NOTES``.
 
 ``SlotKVBuffers`` is what opus.fusion.static_runner's CUDA-graph runner writes: one buffer per K and V.
 Shapes never change, so a decode step that writes position ``p`` and attends to every slot with a
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.kv import static
+from opus.kv import compiled_steps, static
 from opus.kv.cache import CacheShape, KVCache, register_kind
 from opus.models.config import ModelConfig
 
@@ -119,7 +119,7 @@ class CudaGraphKVCache(static.CompiledStaticKVCache):
                 self._out = step(*args)
         except RuntimeError as exc:  # e.g. a host sync inside the step: keep going uncaptured, say so
             torch.cuda.synchronize(device)
-            static.NOTES.append(f"{type(model).__name__}: decode step not captured in a CUDA graph, runs "
+            compiled_steps.NOTES.append(f"{type(model).__name__}: decode step not captured in a CUDA graph, runs "
                                 f"uncaptured: {str(exc).splitlines()[0][:200]}")
             self._out = None
             return None

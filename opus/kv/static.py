@@ -45,17 +45,14 @@ and costs a fixed toll per call, so it wins on big layers and loses on tiny ones
 
 from __future__ import annotations
 
-import contextlib
-import itertools
-import types
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
+from opus.kv.compiled_steps import STEP_SETTINGS, Step, StepKey, Steps, compiled_once
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
 from opus.models.attention import DOT, check_kernel
 
@@ -63,22 +60,11 @@ KIND = "static"
 PROVIDER = "opus.kv.static"
 DEFAULT_SLOT_MULTIPLE = 128
 MIN_PREFILL_BUCKET = 16
-RECOMPILE_LIMIT = 32
-Step = Callable[..., torch.Tensor]
-Steps = weakref.WeakKeyDictionary[nn.Module, dict[str, Step]]  # per model, per attention kernel
 _STEPS: Steps = weakref.WeakKeyDictionary()
 _PREFILLS: Steps = weakref.WeakKeyDictionary()
-_SERIAL = itertools.count()
-NOTES: list[str] = []  # compile fallbacks of this process, one line each
 WEIGHT_ONLY_ROWS = "w8a8_weight_only_rows"
 PACKED_GEMM = "w8a8_packed_gemm"
 PACKED_PHASES = {"prefill": ("prefill",), "decode": ("decode",), "both": ("prefill", "decode")}
-StepKey = tuple[tuple[str, Any], ...]  # the settings a compiled step is traced under, (option, value)
-# Kernel choices a compiled step is traced (and always run) under, by option: (the setting's context for a
-# value, whether a module is one it applies to). The room that owns the kernel registers it
-# (opus.quant.formats.w8a8), since opus.kv sits below opus.quant.
-StepSetting = tuple[Callable[[Any], contextlib.AbstractContextManager[None]], Callable[[nn.Module], bool]]
-STEP_SETTINGS: dict[str, StepSetting] = {}
 
 
 def slots_for(tokens: int, slot_multiple: int) -> int:
@@ -281,82 +267,13 @@ def eager_prefill(model: nn.Module, attention: str = "sdpa") -> Step:
 def compiled_step(model: nn.Module, attention: str = "sdpa", settings: StepKey = ()) -> Step:
     """The model's decode step compiled (once per model, attention kernel and kernel settings;
     inductor recompiles per batch and slot count)."""
-    return _compiled(model, attention, settings, _STEPS, eager_step, "decode step")
+    return compiled_once(model, attention, settings, _STEPS, eager_step, "decode step")
 
 
 def compiled_prefill(model: nn.Module, attention: str = "sdpa", settings: StepKey = ()) -> Step:
     """The model's padded prefill compiled (once per model, attention kernel and kernel settings;
     recompiled per batch, bucket and slot count)."""
-    return _compiled(model, attention, settings, _PREFILLS, eager_prefill, "prefill")
-
-
-def _compiled(model: nn.Module, attention: str, settings: StepKey, steps: Steps,
-              eager: Callable[[nn.Module, str], Step], what: str) -> Step:
-    own = steps.setdefault(model, {})
-    key = ", ".join([attention, *(f"{option} {value}" for option, value in settings)])
-    if key not in own:
-        compiled = _traced_with(settings, compile_step(eager(model, attention)))
-        own[key] = _with_fallback(model, attention, key, compiled, own, eager, what)
-    return own[key]
-
-
-def _traced_with(settings: StepKey, compiled: Step) -> Step:
-    """``compiled`` always called (and so traced) under ``settings``' kernel choices (W8A8's weight-only
-    threshold, its packed GEMM): the graph keeps the branch it was traced with."""
-    known = [(STEP_SETTINGS[option][0], value) for option, value in settings if option in STEP_SETTINGS]
-    if not known:  # no W8A8 layer was ever built
-        return compiled
-
-    def step(*args: Any) -> torch.Tensor:
-        with contextlib.ExitStack() as stack:
-            for setting, value in known:
-                stack.enter_context(setting(value))
-            return compiled(*args)
-
-    return step
-
-
-def compile_step(fn: Step, dynamic: bool | None = False) -> Step:
-    """``fn`` (a step of one frozen model) compiled into one C++ graph per input shape.
-
-    No guards on the model's modules: checking them cost ~0.16 ms per K3 step, an eighth of the
-    step. Safe here: a compiled step belongs to one model, whose weights are frozen; shapes and
-    dtypes of the step's tensors are still guarded (a new batch size or slot count recompiles, unless
-    the dimension was marked dynamic). Without those guards, dynamo would hand one model's graph to
-    another model's step (compiled code is cached per code object): each step gets a code object of
-    its own. ``dynamic``: as torch.compile's (None lets ``mark_dynamic`` dimensions stay symbolic).
-    """
-    options = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-    # One graph per (batch, bucket, slots, K/V dtype): a process that measures several caches (kv_config,
-    # the benches) passes dynamo's default of 8 graphs per step, and fullgraph then fails to eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(_own_code(fn), fullgraph=True, dynamic=dynamic, options=options)
-
-
-def _own_code(fn: Step) -> Step:
-    """``fn`` with a copy of its code object (dynamo's cache of compiled graphs hangs off the code)."""
-    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_SERIAL)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
-def _with_fallback(model: nn.Module, attention: str, key: str, compiled: Step, own: dict[str, Step],
-                   eager: Callable[[nn.Module, str], Step], what: str) -> Step:
-    """``compiled``, or — if compiling fails — the eager step from then on, with the reason in NOTES."""
-    def step(*args: Any) -> torch.Tensor:
-        try:
-            return compiled(*args)
-        except Exception as exc:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower
-            NOTES.append(f"{type(model).__name__}: {what} not compiled, runs eagerly: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            own[key] = eager(model, attention)
-            return own[key](*args)
-
-    return step
-
-
-def compile_notes() -> list[str]:
-    """This process's compile fallbacks, each once."""
-    return list(dict.fromkeys(NOTES))
+    return compiled_once(model, attention, settings, _PREFILLS, eager_prefill, "prefill")
 
 
 def slot_multiple_of(options: dict[str, Any]) -> int:

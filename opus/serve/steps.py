@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from opus.kv import static
+from opus.kv.compiled_steps import compile_step
 from opus.serve.kv_blocks import SCRATCH_BLOCK, KVBlockPool, PagedView
 
 
@@ -37,7 +37,7 @@ class DecodeSteps:
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, len(self.buckets) + 2)
         eager = self._eager_step()
-        self._step: Callable[..., torch.Tensor] = static.compile_step(eager, dynamic=None) if compile_decode else eager
+        self._step: Callable[..., torch.Tensor] = compile_step(eager, dynamic=None) if compile_decode else eager
         self._eager = eager
         self.notes: list[str] = []
 

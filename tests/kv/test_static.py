@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opus.bench.torch_contenders import find_cxx
-from opus.kv import static as static_cache
+from opus.kv import compiled_steps
 from opus.kv.cache import BY_BATCH, GrowingKVCache, by_batch_config, cache_factory, make_cache
 from opus.kv.static import CompiledStaticKVCache, DecodeView, cache_config
 from opus.runtime.engine import generate
@@ -78,11 +78,11 @@ def test_compiled_decode_of_a_quantized_fused_moe_gives_the_eager_tokens_with_on
     model = fuse_model(model, FusionConfig(), lm_probe(data)).model
     ids = blocks(1, 12, seed=5)
     want = generate(model, ids, 8, cache_factory(model, cache_config(False)), return_logits=True)
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     counters = torch._dynamo.utils.counters["stats"]
     before = counters["unique_graphs"]
     got = generate(model, ids, 8, cache_factory(model, cache_config(True)), return_logits=True)
-    assert static_cache.NOTES == []  # compiled, not the eager fallback
+    assert compiled_steps.NOTES == []  # compiled, not the eager fallback
     assert counters["unique_graphs"] - before == 1  # every position ran the same graph: no recompiles
     assert torch.equal(got.tokens, want.tokens)
     assert torch.allclose(got.logits, want.logits, atol=1e-4)
@@ -92,14 +92,14 @@ def test_compiled_decode_of_a_quantized_fused_moe_gives_the_eager_tokens_with_on
 def test_a_decode_step_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch):
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     model = tiny_lm("llama", hidden_size=24, seed=7)  # a shape no earlier test compiled (no cache hit)
     ids = prompts(1, 5)
     want = generate(model, ids, 4).tokens
     with inductor.patch({"cpp.cxx": ("/nonexistent/opus-test-cxx",)}):
         got = generate(model, ids, 4, cache_factory(model, cache_config(True))).tokens
     assert torch.equal(got, want)
-    assert len(static_cache.NOTES) == 1 and "decode step not compiled, runs eagerly" in static_cache.NOTES[0]
+    assert len(compiled_steps.NOTES) == 1 and "decode step not compiled, runs eagerly" in compiled_steps.NOTES[0]
 
 
 def test_options_are_checked_by_name():
@@ -143,14 +143,14 @@ def test_a_cache_choice_reads_as_one_line():
 @needs_cxx
 def test_each_model_runs_its_own_compiled_step(monkeypatch):
     """Two models of one structure: the second must not run the first one's graph or weights."""
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     ids = prompts(1, 6)
     for seed in (11, 12):
         model = tiny_lm("qwen3", seed=seed)
         want = generate(model, ids, 5, return_logits=True)
         got = generate(model, ids, 5, cache_factory(model, cache_config(True)), return_logits=True)
         assert torch.allclose(got.logits, want.logits, atol=1e-4), seed
-    assert static_cache.NOTES == []
+    assert compiled_steps.NOTES == []
 
 
 def test_prefill_buckets_are_powers_of_two_within_the_slots():
@@ -206,7 +206,7 @@ def test_a_compiled_prefill_keeps_sorted_experts_and_gives_the_eager_tokens(monk
     model = fuse_model(model, FusionConfig(), lm_probe(data)).model
     assert {m.modes["prefill"] for _, m in grouped_moes(model)} == {"sorted"}
     ids = blocks(2, 11, seed=6)  # bucket 16
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     counters = torch._dynamo.utils.counters["stats"]
     before = counters["unique_graphs"]
     experts = type(grouped_moes(model)[0][1].experts)
@@ -224,7 +224,7 @@ def test_a_compiled_prefill_keeps_sorted_experts_and_gives_the_eager_tokens(monk
         sorted_calls.clear()  # the eager reference ran them too
         got = generate(model, ids, 6, cache_factory(model, cache_config(True, compile_prefill=True)),
                        return_logits=True)
-    assert static_cache.NOTES == []  # compiled, not the eager fallback
+    assert compiled_steps.NOTES == []  # compiled, not the eager fallback
     assert counters["unique_graphs"] - before == 2  # one prefill graph, one decode graph
     assert sorted_calls  # the experts ran sorted inside the compiled graphs, not dense
     assert torch.equal(got.tokens, want.tokens)
@@ -253,14 +253,14 @@ def test_blocked_attention_gives_the_growing_caches_tokens(compiled, monkeypatch
 
     model = tiny_lm("llama")
     ids = prompts(2, attention.CAUSAL_BLOCK + 30)
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     ran: list[str] = []
     real = attention.causal_blocks  # traced (compiled) or run (eager): either way called
     monkeypatch.setattr(attention, "causal_blocks", lambda *a: ran.append("causal_blocks") or real(*a))
     want = generate(model, ids, 6, cache_factory(model), return_logits=True)
     config = cache_config(compiled, slot_multiple=128, compile_prefill=True, attention="blocked")
     got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
-    assert static_cache.NOTES == []  # compiled where asked, not the eager fallback
+    assert compiled_steps.NOTES == []  # compiled where asked, not the eager fallback
     assert ran
     assert torch.equal(got.tokens, want.tokens)
     assert torch.allclose(got.logits, want.logits, atol=1e-5)
@@ -296,7 +296,7 @@ def test_an_int8_cache_keeps_a_quarter_of_the_bytes_and_close_logits(compiled, m
 
     model = tiny_lm("llama")
     ids = prompts(2, 20)
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     ran: list[str] = []
     real = decoder.narrow_kv_attention  # as attend calls it for the dot kernel
     monkeypatch.setattr(decoder, "narrow_kv_attention", lambda *a: ran.append("dot") or real(*a))
@@ -308,7 +308,7 @@ def test_an_int8_cache_keeps_a_quarter_of_the_bytes_and_close_logits(compiled, m
     assert small.nbytes() == wide.nbytes() * (head_dim + 4) // (4 * head_dim)  # int8 values + one fp32 scale
     want = generate(model, ids, 6, cache_factory(model), return_logits=True)
     got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
-    assert static_cache.NOTES == []  # compiled where asked, not the eager fallback
+    assert compiled_steps.NOTES == []  # compiled where asked, not the eager fallback
     assert ran  # the decode steps' attention
     assert torch.equal(got.logits[:, 0], want.logits[:, 0])
     assert not torch.equal(got.logits, want.logits)
@@ -337,14 +337,14 @@ def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     quantize_model(model, dict.fromkeys(names, "w8a8"), collect_stats(model, prompts(4, 16)), group_size=32)
     ids = prompts(2, 10)
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
     with int8_activations_from(1):
         int8 = generate(model, ids, 6, return_logits=True)
     weight_only = generate(model, ids, 6, return_logits=True)
     config = cache_config(True, 16, w8a8_weight_only_rows=1)
     got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
     default = generate(model, ids, 6, cache_factory(model, cache_config(True, 16)), return_logits=True)
-    assert static_cache.NOTES == []
+    assert compiled_steps.NOTES == []
     assert Int8DynamicLinear.WEIGHT_ONLY_MAX_ROWS == 16  # restored after every step
     steps = slice(1, None)  # the first logits come from the eager prefill, whose 2-row lm_head keeps the default
     apart = (int8.logits[:, steps] - weight_only.logits[:, steps]).abs().max()
@@ -381,7 +381,7 @@ def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     quantize_model(model, dict.fromkeys(names, "w8a8"), collect_stats(model, prompts(4, 16)), group_size=32)
     ids = prompts(2, 20)
-    monkeypatch.setattr(static_cache, "NOTES", [])
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
 
     def run(where):  # noqa: ANN001, ANN202 - a phase or None
         config = cache_config(True, 16, compile_prefill=True, w8a8_weight_only_rows=0, w8a8_packed_gemm=where)
@@ -394,7 +394,7 @@ def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
     plain, plain_calls = run(None)
     prefill, prefill_calls = run("prefill")
     both, both_calls = run("both")
-    assert static_cache.NOTES == []
+    assert compiled_steps.NOTES == []
     assert not onednn.active()  # restored after every step
     layers = sum(1 for n in names if n != "lm_head") + 1
     assert plain_calls == 0

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.kv.static import PACKED_GEMM, STEP_SETTINGS, WEIGHT_ONLY_ROWS
+from opus.kv.compiled_steps import STEP_SETTINGS
+from opus.kv.static import PACKED_GEMM, WEIGHT_ONLY_ROWS
 from opus.quant import onednn
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
