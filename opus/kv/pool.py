@@ -81,7 +81,10 @@ class BlockPool:
             self.stats.pooled_bytes -= block.numel() * block.element_size()
             return block
         self.stats.allocated += 1
-        return torch.empty(numel, dtype=dtype, device=device)
+        # A normal tensor, even under inference_mode: the pool is process-wide, and a block made as an
+        # inference tensor could not be written by a cache used outside inference_mode later.
+        with torch.inference_mode(False):
+            return torch.empty(numel, dtype=dtype, device=device)
 
     def release(self, block: torch.Tensor) -> None:
         self.stats.released += 1

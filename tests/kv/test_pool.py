@@ -115,3 +115,17 @@ def test_registry_and_recipe_step():
         make_cache({**config, "blocks": 3}, model.config, 1, 8)
     with pytest.raises(ValueError, match="exceeds"):
         make_cache(config, model.config, 1, 129)
+
+
+def test_a_block_made_under_inference_mode_can_be_written_outside_it():
+    """The pool is process-wide: a block first made inside ``inference_mode`` comes back to a cache
+    used outside it (a CI run failed on that, depending on test order)."""
+    pool = BlockPool()
+    with torch.inference_mode():
+        block = pool.acquire(16, torch.float32, torch.device("cpu"))
+        block.fill_(1.0)
+    pool.release(block)
+    again = pool.acquire(16, torch.float32, torch.device("cpu"))
+    assert again is block and pool.stats.reused == 1
+    again.copy_(torch.arange(16.0))  # an inference tensor would refuse this in-place write
+    assert again.tolist() == list(range(16))
