@@ -119,8 +119,8 @@ class CudaGraphKVCache(static.CompiledStaticKVCache):
                 self._out = step(*args)
         except RuntimeError as exc:  # e.g. a host sync inside the step: keep going uncaptured, say so
             torch.cuda.synchronize(device)
-            compiled_steps.NOTES.append(f"{type(model).__name__}: decode step not captured in a CUDA graph, runs "
-                                f"uncaptured: {str(exc).splitlines()[0][:200]}")
+            compiled_steps.NOTES.append(f"{type(model).__name__}: decode step not captured in a CUDA graph, "
+                                        f"runs uncaptured: {str(exc).splitlines()[0][:200]}")
             self._out = None
             return None
         return graph
