@@ -19,8 +19,11 @@ also compiles):
   sizes up to 16 rows through the weight-only kernel): what that threshold is worth on this CPU;
 - ``… packed at prefill``, ``… packed at both``: that contender with the static cache's
   ``w8a8_packed_gemm`` (its compiled prefill, or its prefill and decode steps, run W8A8's int8 GEMMs
-  through oneDNN's packed kernel, opus.quant.onednn, instead of ``torch._int_mm``, which hands oneDNN the
-  weight unpacked on every call): what packing the weights is worth on this CPU.
+  through oneDNN's packed kernel, opus.quant.packed, instead of ``torch._int_mm``, which hands oneDNN the
+  weight unpacked on every call): what packing the weights is worth on this CPU;
+- ``… oneDNN prefill, FBGEMM decode``: oneDNN's packed kernel at prefill and FBGEMM's at decode, with
+  ``w8a8_weight_only_rows: 0`` (int8 activations from one row, so one sequence's decode runs FBGEMM's
+  int8 GEMV instead of the weight-only kernel).
 
 ``--skip N`` leaves contender N out (0 is the baseline and stays; repeatable).
 
@@ -59,9 +62,10 @@ from opus.kv.cache import cache_factory  # noqa: E402
 from opus.kv.compiled_steps import compile_notes  # noqa: E402
 from opus.models import load_model  # noqa: E402
 from opus.pipeline.spec import TextSetSpec  # noqa: E402
-from opus.quant import onednn  # noqa: E402
 from opus.quant.apply import quantize_model  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
+from opus.quant.fbgemm import FBGEMM  # noqa: E402
+from opus.quant.onednn import ONEDNN  # noqa: E402
 from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.engine import generate  # noqa: E402
 from opus.runtime.kv_fidelity import FIDELITY_BLOCKS, FIDELITY_LEN, ppl_through_cache  # noqa: E402
@@ -69,7 +73,7 @@ from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
               "… blocked attention", "… and bf16 K/V", "… and int8 K/V", "… int8 GEMMs from 2 rows",
-              "… packed at prefill", "… packed at both")
+              "… packed at prefill", "… packed at both", "… oneDNN prefill, FBGEMM decode")
 LOSSY = {CONTENDERS[4]: "bf16", CONTENDERS[5]: "int8"}
 
 
@@ -149,7 +153,11 @@ def main() -> None:
                                                  w8a8_weight_only_rows=1)}
     caches.update({CONTENDERS[6 + index]: static.cache_config(True, compile_prefill=True, attention="blocked",
                                                             w8a8_weight_only_rows=1, w8a8_packed_gemm=where)
-                   for index, where in ((1, "prefill"), (2, "both")) if onednn.available() is None})
+                   for index, where in ((1, "prefill"), (2, "both")) if ONEDNN.available() is None})
+    if ONEDNN.available() is None and FBGEMM.available() is None:  # int8 activations from one row: FBGEMM's GEMV
+        caches[CONTENDERS[9]] = static.cache_config(True, compile_prefill=True, attention="blocked",
+                                                    w8a8_weight_only_rows=0,
+                                                    w8a8_packed_gemm={"prefill": "onednn", "decode": "fbgemm"})
     caches = {name: c for name, c in caches.items() if CONTENDERS.index(name) not in args.skip}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():
@@ -172,7 +180,8 @@ def main() -> None:
           f"input {args.input_len}, output {args.output_len}, "
           f"{args.repeats} interleaved rounds, ratios to fp32 eager in the same rounds; "
           f"threads {torch.get_num_threads()}"
-          + (f"; no packed contenders: {onednn.available()}" if onednn.available() else ""))
+          + "".join(f"; no {kernel.label} contenders: {kernel.available()}" for kernel in (ONEDNN, FBGEMM)
+                    if kernel.available()))
     if compile_notes():
         print("compile fallbacks: " + "; ".join(compile_notes()))
     print(f"{'contender':<38}{'batch':>6}{'prefill ms':>11}{'×':>6}{'decode tok/s':>13}{'×':>6}{'P tok/s':>9}{'×':>6}"

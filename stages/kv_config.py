@@ -8,7 +8,7 @@ torch's attention and once with Opus's blocked causal attention, ``static_attent
 kept in bfloat16 or int8, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
 is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json; and with
 W8A8 layers taking the int8 GEMM from fewer rows, ``static_w8a8_weight_only_rows``, or through oneDNN's
-packed kernel at prefill, decode or both, ``static_w8a8_packed_gemm``), and
+or FBGEMM's packed kernel at prefill, decode or both, ``static_w8a8_packed_gemm``), and
 the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
 or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
 ``unavailable`` in ``kv_config.json`` with the reason. They run the pipeline's workload (or the
@@ -55,6 +55,9 @@ METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "k
                      "kv_speedup_vs_growing", "kv_speedup_vs_growing_b*", "kv_ppl_increase"})
 MB = 1 << 20
 
+# A kernel per phase for the static cache's packed int8 GEMMs (opus.kv.static.packed_kernels).
+PackedPerPhase = Annotated[dict[Literal["prefill", "decode"], Literal["onednn", "fbgemm"]], Field(min_length=1)]
+
 
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -87,10 +90,11 @@ class Config(BaseModel):
     # two rows on (a batched decode step), which won on an AMX Xeon and lost on an AMD EPYC.
     static_w8a8_weight_only_rows: list[Annotated[int, Field(ge=0)] | None] = Field(default_factory=lambda: [None],
                                                                                min_length=1)
-    # Where the static cache's compiled steps run W8A8's int8 GEMMs through oneDNN's packed kernel
-    # (opus.quant.onednn), each a candidate: null = torch._int_mm; prefill / decode / both. It won the
-    # prefill and lost the decode on K3's tiny layers, won both on the 135M shape (AMX Xeon).
-    static_w8a8_packed_gemm: list[Literal["prefill", "decode", "both"] | None] = Field(
+    # Where the static cache's compiled steps run W8A8's int8 GEMMs through a packed kernel
+    # (opus.quant.packed), each a candidate: null = torch._int_mm; prefill / decode / both = oneDNN's there;
+    # or a kernel per phase, {prefill: onednn, decode: fbgemm}. oneDNN's won the prefill and lost the decode
+    # on K3's tiny layers and won both on the 135M shape; FBGEMM's won one-row decode there (AMX Xeon).
+    static_w8a8_packed_gemm: list[Literal["prefill", "decode", "both"] | PackedPerPhase | None] = Field(
         default_factory=lambda: [None], min_length=1)
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.

@@ -38,9 +38,10 @@ only up to N rows (the layers' default is 16), the int8 GEMM with per-token acti
 the two is faster at a batched decode step depends on the CPU (opus.quant.formats.w8a8), so kv_config
 measures it (``static_w8a8_weight_only_rows``) rather than assume it. The eager steps keep the default.
 ``w8a8_packed_gemm: prefill | decode | both`` traces those steps with W8A8's int8 GEMMs through oneDNN's
-packed kernel (opus.quant.onednn) instead of ``torch._int_mm``: it saves a pass over each weight per call
-and costs a fixed toll per call, so it wins on big layers and loses on tiny ones (measured: ``kv_config``'s
-``static_w8a8_packed_gemm``).
+packed kernel (opus.quant.packed) instead of ``torch._int_mm``; ``{prefill: onednn, decode: fbgemm}`` names
+the kernel per phase (FBGEMM's is the faster at one to a few rows). A packed kernel saves a pass over each
+weight per call and costs a fixed toll per call, so it wins on big layers and loses on tiny ones
+(measured: ``kv_config``'s ``static_w8a8_packed_gemm``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ import torch
 from torch import nn
 
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
-from opus.kv.compiled_steps import STEP_SETTINGS, Step, StepKey, Steps, compiled_once
+from opus.kv.compiled_steps import Step, StepKey, Steps, compiled_once
+from opus.kv.step_kernels import PACKED_GEMM, WEIGHT_ONLY_ROWS, describe_packed, has_w8a8, packed_kernels, packed_reason
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
 from opus.models.attention import DOT, check_kernel
 
@@ -62,11 +64,6 @@ DEFAULT_SLOT_MULTIPLE = 128
 MIN_PREFILL_BUCKET = 16
 _STEPS: Steps = weakref.WeakKeyDictionary()
 _PREFILLS: Steps = weakref.WeakKeyDictionary()
-WEIGHT_ONLY_ROWS = "w8a8_weight_only_rows"
-PACKED_GEMM = "w8a8_packed_gemm"
-PACKED_PHASES = {"prefill": ("prefill",), "decode": ("decode",), "both": ("prefill", "decode")}
-
-
 def slots_for(tokens: int, slot_multiple: int) -> int:
     """Slots a request of ``tokens`` positions gets: rounded up to whole ``slot_multiple``s."""
     return -(-tokens // slot_multiple) * slot_multiple
@@ -161,7 +158,8 @@ class CompiledStaticKVCache(_Slots):
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False,
                  attention: str = "sdpa", kv_dtype: str | None = None,
-                 w8a8_weight_only_rows: int | None = None, w8a8_packed_gemm: str | None = None) -> None:
+                 w8a8_weight_only_rows: int | None = None,
+                 w8a8_packed_gemm: str | dict[str, str] | None = None) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
@@ -176,7 +174,7 @@ class CompiledStaticKVCache(_Slots):
         self.prefills_itself = compile_prefill
         self.attention = check_kernel(attention)
         self.weight_only_rows = w8a8_weight_only_rows
-        self.packed_phases = PACKED_PHASES[w8a8_packed_gemm] if w8a8_packed_gemm else ()
+        self.packed = packed_kernels(w8a8_packed_gemm)  # phase -> kernel
         self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
         self._lens = [0] * int(shape.num_layers)
 
@@ -232,7 +230,7 @@ class CompiledStaticKVCache(_Slots):
     def step_settings(self, phase: str) -> StepKey:
         """The kernel settings this cache's compiled ``phase`` (prefill or decode) is traced under."""
         rows = () if self.weight_only_rows is None else ((WEIGHT_ONLY_ROWS, self.weight_only_rows),)
-        return rows + (((PACKED_GEMM, True),) if phase in self.packed_phases else ())
+        return rows + (((PACKED_GEMM, self.packed[phase]),) if phase in self.packed else ())
 
     def _check(self, end: int, batch: int) -> None:
         if end > self.slots:
@@ -312,7 +310,7 @@ class _StaticKind(KindBase):
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
         rows = options.get(WEIGHT_ONLY_ROWS)
         gemm = f", W8A8 int8 GEMMs from {rows + 1} rows" if rows is not None else ""
-        packed = f", packed oneDNN int8 GEMMs at {options[PACKED_GEMM]}" if options.get(PACKED_GEMM) else ""
+        packed = describe_packed(options[PACKED_GEMM]) if options.get(PACKED_GEMM) else ""
         head = f"static, compiled {' and '.join(compiled)}" if compiled else "static"
         return head + kernel + narrow + gemm + packed
 
@@ -333,35 +331,18 @@ class _StaticKind(KindBase):
         packings = settings.get("static_w8a8_packed_gemm", [None])
         return [cache_config(True, multiple, prefill, kernel, dtype, rows, packed) for packed in packings
                 for rows in thresholds for dtype in dtypes for prefill in prefills for kernel in kernels
-                if prefill or "prefill" not in PACKED_PHASES.get(packed, ())]  # the eager prefill keeps _int_mm
+                if prefill or "prefill" not in packed_kernels(packed)]  # the eager prefill keeps _int_mm
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
         if options.get("attention", "sdpa") == "blocked":
             device = next(iter(model.parameters())).device
             if device.type != "cpu":
                 return f"the blocked attention kernel is measured on CPUs only; on {device} the cache runs sdpa"
-        if options.get(WEIGHT_ONLY_ROWS) is not None and not _has_w8a8(model):
+        if options.get(WEIGHT_ONLY_ROWS) is not None and not has_w8a8(model):
             return "the model has no W8A8 layer whose threshold it could set"
         if options.get(PACKED_GEMM):
-            return _packed_reason(model)
+            return packed_reason(model, options[PACKED_GEMM])
         return decoder_reason(model)
-
-
-def _has_w8a8(model: nn.Module) -> bool:
-    applies = STEP_SETTINGS.get(WEIGHT_ONLY_ROWS, (None, lambda _m: False))[1]
-    return any(applies(m) for m in model.modules())
-
-
-def _packed_reason(model: nn.Module) -> str | None:
-    if not _has_w8a8(model):
-        return "the model has no W8A8 layer whose int8 GEMMs could be packed"
-    if next(iter(model.parameters())).device.type != "cpu":
-        return "oneDNN's packed int8 GEMM runs on CPUs"
-    try:
-        with STEP_SETTINGS[PACKED_GEMM][0](True):  # refuses where the kernel is missing or computes wrong
-            return None
-    except ValueError as error:
-        return str(error)
 
 
 STATIC = register_kind(_StaticKind())
@@ -369,7 +350,8 @@ STATIC = register_kind(_StaticKind())
 
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
                  compile_prefill: bool = False, attention: str = "sdpa", kv_dtype: str | None = None,
-                 w8a8_weight_only_rows: int | None = None, w8a8_packed_gemm: str | None = None) -> dict[str, Any]:
+                 w8a8_weight_only_rows: int | None = None,
+                 w8a8_packed_gemm: str | dict[str, str] | None = None) -> dict[str, Any]:
     # Options at their defaults are left out: the configs of old stay as they were.
     prefill = {"compile_prefill": True} if compile_prefill else {}
     kernel = {"attention": check_kernel(attention)} if attention != "sdpa" else {}
@@ -379,8 +361,7 @@ def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_
     rows = {} if w8a8_weight_only_rows is None else {"w8a8_weight_only_rows": w8a8_weight_only_rows}
     if rows and (not isinstance(w8a8_weight_only_rows, int) or w8a8_weight_only_rows < 0):
         raise ValueError(f"w8a8_weight_only_rows must be a number of rows, 0 or more, got {w8a8_weight_only_rows!r}")
-    if w8a8_packed_gemm is not None and w8a8_packed_gemm not in PACKED_PHASES:
-        raise ValueError(f"w8a8_packed_gemm must be one of {', '.join(PACKED_PHASES)}, got {w8a8_packed_gemm!r}")
+    packed_kernels(w8a8_packed_gemm)  # a misspelt phase or kernel fails here, not when a cache is built
     packed = {PACKED_GEMM: w8a8_packed_gemm} if w8a8_packed_gemm else {}
     return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow, **rows,
                          **packed)

@@ -365,51 +365,62 @@ def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured
 @needs_cxx
 @torch.no_grad()
 def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
-    """``w8a8_packed_gemm``: the compiled prefill and/or decode steps call oneDNN's packed kernel (and
-    compute what ``torch._int_mm`` does); the eager paths and the other phase keep ``_int_mm``."""
+    """``w8a8_packed_gemm``: the compiled prefill and/or decode steps call the packed kernel named for
+    their phase (oneDNN's, or FBGEMM's) and compute what ``torch._int_mm`` does; the eager paths and the
+    other phase keep ``_int_mm``."""
     from torch.profiler import ProfilerActivity, profile
 
     from opus.kv.cache import describe_cache
     from opus.kv.static import STATIC
-    from opus.quant import onednn
+    from opus.quant import packed
     from opus.quant.apply import quantize_model
     from opus.quant.calibrate import collect_stats
+    from opus.quant.fbgemm import FBGEMM
+    from opus.quant.onednn import ONEDNN
 
-    if onednn.available() is not None:
-        pytest.skip(onednn.available())
+    for kernel in (ONEDNN, FBGEMM):
+        if kernel.available() is not None:
+            pytest.skip(kernel.available())
     model = tiny_lm("llama", hidden_size=64, intermediate_size=128, head_dim=16)
     names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     quantize_model(model, dict.fromkeys(names, "w8a8"), collect_stats(model, prompts(4, 16)), group_size=32)
     ids = prompts(2, 20)
     monkeypatch.setattr(compiled_steps, "NOTES", [])
 
-    def run(where):  # noqa: ANN001, ANN202 - a phase or None
+    def run(where):  # noqa: ANN001, ANN202 - a w8a8_packed_gemm value or None
         config = cache_config(True, 16, compile_prefill=True, w8a8_weight_only_rows=0, w8a8_packed_gemm=where)
         generate(model, ids, 4, cache_factory(model, config))  # traced here
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = generate(model, ids, 4, cache_factory(model, config), return_logits=True)
-        calls = sum(e.count for e in prof.key_averages() if "onednn_int8_linear" in e.key)
+        calls = {kernel: sum(e.count for e in prof.key_averages() if f"{kernel}_int8_linear" in e.key)
+                 for kernel in ("onednn", "fbgemm")}
         return out.logits, calls
 
     plain, plain_calls = run(None)
     prefill, prefill_calls = run("prefill")
     both, both_calls = run("both")
+    mixed, mixed_calls = run({"prefill": "onednn", "decode": "fbgemm"})
     assert compiled_steps.NOTES == []
-    assert not onednn.active()  # restored after every step
+    assert packed.active() is None  # restored after every step
     layers = sum(1 for n in names if n != "lm_head") + 1
-    assert plain_calls == 0
-    assert prefill_calls == layers  # one prefill: every W8A8 layer once
-    assert both_calls == layers * 4  # and each of the three decode steps
-    torch.testing.assert_close(prefill, plain, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(both, plain, rtol=1e-3, atol=1e-3)
-    options = {"include_static_prefill": True, "static_w8a8_packed_gemm": [None, "decode", "prefill"]}
+    assert plain_calls == {"onednn": 0, "fbgemm": 0}
+    assert prefill_calls == {"onednn": layers, "fbgemm": 0}  # one prefill: every W8A8 layer once
+    assert both_calls == {"onednn": layers * 4, "fbgemm": 0}  # and each of the three decode steps
+    assert mixed_calls == {"onednn": layers, "fbgemm": layers * 3}
+    for logits in (prefill, both, mixed):
+        torch.testing.assert_close(logits, plain, rtol=1e-3, atol=1e-3)
+    options = {"include_static_prefill": True,
+               "static_w8a8_packed_gemm": [None, "decode", "prefill", {"decode": "fbgemm"}]}
     configs = STATIC.candidates(options)
     assert [describe_cache(c) for c in configs] == [
         "static, compiled decode", "static, compiled prefill and decode",
         "static, compiled decode, packed oneDNN int8 GEMMs at decode",
         "static, compiled prefill and decode, packed oneDNN int8 GEMMs at decode",
-        "static, compiled prefill and decode, packed oneDNN int8 GEMMs at prefill"]  # no eager prefill packed
+        "static, compiled prefill and decode, packed oneDNN int8 GEMMs at prefill",  # no eager prefill packed
+        "static, compiled decode, packed int8 GEMMs: FBGEMM at decode",
+        "static, compiled prefill and decode, packed int8 GEMMs: FBGEMM at decode"]
     assert STATIC.unavailable(model, configs[-1]) is None
     assert "no W8A8 layer" in STATIC.unavailable(tiny_lm("llama"), configs[-1])
-    with pytest.raises(ValueError, match="w8a8_packed_gemm must be one of prefill, decode, both"):
-        cache_config(True, w8a8_packed_gemm="sometimes")
+    for wrong in ("sometimes", {"decode": "mkl"}, {"warmup": "fbgemm"}, {}):
+        with pytest.raises(ValueError, match="w8a8_packed_gemm must be one of prefill, decode, both, or a kernel"):
+            cache_config(True, w8a8_packed_gemm=wrong)

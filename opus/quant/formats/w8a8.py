@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.kv.compiled_steps import STEP_SETTINGS
-from opus.kv.static import PACKED_GEMM, WEIGHT_ONLY_ROWS
-from opus.quant import onednn
+from opus.kv.step_kernels import PACKED_GEMM, WEIGHT_ONLY_ROWS
+from opus.quant import fbgemm, onednn, packed  # noqa: F401 - importing a kernel registers it
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
 from opus.quant.kernels import fake_int8_activation, int8_per_tensor, int8_per_token
@@ -66,7 +66,7 @@ class Int8DynamicLinear(Int8WeightLinear):
             return self._int8_matmul(x)
         if x.shape[0] <= self.WEIGHT_ONLY_MAX_ROWS:
             return self._weight_only_matmul(x)
-        if x.shape[0] <= self.CHUNK_ROWS or onednn.active():  # oneDNN's packed GEMM has no int32 accumulator
+        if x.shape[0] <= self.CHUNK_ROWS or packed.active():  # a packed GEMM has no int32 accumulator
             return self._int8_matmul(x)
         out = x.new_empty(x.shape[0], self.out_features)
         for start in range(0, x.shape[0], self.CHUNK_ROWS):
@@ -87,8 +87,9 @@ class Int8DynamicLinear(Int8WeightLinear):
 
 def _int8_linear(x: torch.Tensor, q: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor,
                  scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if onednn.active() and q.device.type == "cpu" and not torch.compiler.is_exporting():
-        y = (onednn.int8_linear(q, qweight, scale) * x_scale).to(x.dtype)
+    kernel = packed.active()
+    if kernel is not None and q.device.type == "cpu" and not torch.compiler.is_exporting():
+        y = (kernel.linear(q, qweight, scale) * x_scale).to(x.dtype)
     else:
         y = (torch._int_mm(q, qweight.t()) * x_scale).mul_(scale).to(x.dtype)  # int32 × fp32 promotes in one op
     return y if bias is None else y + bias.to(y.dtype)
@@ -125,9 +126,9 @@ def int8_activations_at_every_size() -> contextlib.AbstractContextManager[None]:
 
 
 # The static cache's compiled steps may be traced with another threshold (its w8a8_weight_only_rows option)
-# and with the packed oneDNN GEMM (w8a8_packed_gemm).
+# and with a packed int8 GEMM, oneDNN's or FBGEMM's (w8a8_packed_gemm).
 STEP_SETTINGS[WEIGHT_ONLY_ROWS] = (int8_activations_from, lambda module: isinstance(module, Int8DynamicLinear))
-STEP_SETTINGS[PACKED_GEMM] = (onednn.use, lambda module: isinstance(module, Int8DynamicLinear))
+STEP_SETTINGS[PACKED_GEMM] = (packed.use, lambda module: isinstance(module, Int8DynamicLinear))
 
 
 class MinRows(nn.Module):
