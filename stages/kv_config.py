@@ -40,10 +40,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from opus.errors import InputError
 from opus.kv.cache import KV_CONFIG_FILE
+from opus.kv.step_kernels import packed_kernels
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.runtime.choose import DEFAULT_ROUNDS, replayed, write_decisions
@@ -55,8 +56,15 @@ METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "k
                      "kv_speedup_vs_growing", "kv_speedup_vs_growing_b*", "kv_ppl_increase"})
 MB = 1 << 20
 
-# A kernel per phase for the static cache's packed int8 GEMMs (opus.kv.static.packed_kernels).
-PackedPerPhase = Annotated[dict[Literal["prefill", "decode"], Literal["onednn", "fbgemm"]], Field(min_length=1)]
+
+
+def _packed_value(value: str | dict[str, str] | None) -> str | dict[str, str] | None:
+    packed_kernels(value)  # one message that says what may be written, whatever is wrong
+    return value
+
+
+# Phases (oneDNN's packed int8 GEMM there) or a kernel per phase: opus.kv.step_kernels.packed_kernels.
+PackedGemm = Annotated[str | dict[str, str] | None, AfterValidator(_packed_value)]
 
 
 class Config(BaseModel):
@@ -94,7 +102,7 @@ class Config(BaseModel):
     # (opus.quant.packed), each a candidate: null = torch._int_mm; prefill / decode / both = oneDNN's there;
     # or a kernel per phase, {prefill: onednn, decode: fbgemm}. oneDNN's won the prefill and lost the decode
     # on K3's tiny layers and won both on the 135M shape; FBGEMM's won one-row decode there (AMX Xeon).
-    static_w8a8_packed_gemm: list[Literal["prefill", "decode", "both"] | PackedPerPhase | None] = Field(
+    static_w8a8_packed_gemm: list[PackedGemm] = Field(
         default_factory=lambda: [None], min_length=1)
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.

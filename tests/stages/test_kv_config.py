@@ -158,3 +158,15 @@ def test_a_lossy_cache_races_only_within_its_perplexity_limit(tmp_path, monkeypa
     [refused] = [u for u in report["unavailable"] if "kv_dtype" in u["cache"]]
     assert "beyond max_kv_ppl_increase 0.500%" in refused["skipped"]
     assert result.metrics["kv_ppl_increase"] == 0.0  # nothing chosen keeps K/V narrower
+
+
+def test_a_packed_gemm_per_phase_is_accepted_and_a_wrong_one_is_named():
+    """``static_w8a8_packed_gemm`` takes phases (oneDNN's kernel) or a kernel per phase; anything else is
+    one message saying what may be written."""
+    from pydantic import ValidationError
+
+    ok = kv_config.Config(static_w8a8_packed_gemm=[None, "both", {"prefill": "onednn", "decode": "fbgemm"}])
+    assert ok.static_w8a8_packed_gemm[2] == {"prefill": "onednn", "decode": "fbgemm"}
+    for wrong in ("sometimes", {"decode": "mkl"}, {"warmup": "fbgemm"}, {}):
+        with pytest.raises(ValidationError, match="a kernel per phase .* onednn, fbgemm"):
+            kv_config.Config(static_w8a8_packed_gemm=[wrong])
