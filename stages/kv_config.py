@@ -150,8 +150,16 @@ def _fits(cache: dict[str, Any], budget: int, per_token: int, context: int) -> i
 
 def _label(cache: dict[str, Any]) -> str:
     """A cache config in a few words, unique among the candidates: ``pooled prealloc 512, step 256``."""
-    options = ", ".join(f"{k} {v}" for k, v in cache.items() if k not in ("kind", "provider", "max_context"))
+    options = ", ".join(f"{k} {_as_written(v)}" for k, v in cache.items()
+                        if k not in ("kind", "provider", "max_context"))
     return f"{cache['kind']} {options}".strip()
+
+
+def _as_written(value: Any) -> str:
+    """A mapping as a pipeline file spells it (``{prefill: onednn, decode: fbgemm}``), anything else as is."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]], warmup: int, rounds: int,

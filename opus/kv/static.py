@@ -64,6 +64,8 @@ DEFAULT_SLOT_MULTIPLE = 128
 MIN_PREFILL_BUCKET = 16
 _STEPS: Steps = weakref.WeakKeyDictionary()
 _PREFILLS: Steps = weakref.WeakKeyDictionary()
+
+
 def slots_for(tokens: int, slot_multiple: int) -> int:
     """Slots a request of ``tokens`` positions gets: rounded up to whole ``slot_multiple``s."""
     return -(-tokens // slot_multiple) * slot_multiple
@@ -309,7 +311,7 @@ class _StaticKind(KindBase):
         kernel = ", blocked attention" if options.get("attention", "sdpa") == "blocked" else ""
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
         rows = options.get(WEIGHT_ONLY_ROWS)
-        gemm = f", W8A8 int8 GEMMs from {rows + 1} rows" if rows is not None else ""
+        gemm = f", W8A8 int8 GEMMs from {rows + 1} row{'s' if rows else ''}" if rows is not None else ""
         packed = describe_packed(options[PACKED_GEMM]) if options.get(PACKED_GEMM) else ""
         head = f"static, compiled {' and '.join(compiled)}" if compiled else "static"
         return head + kernel + narrow + gemm + packed
