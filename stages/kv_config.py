@@ -57,7 +57,6 @@ METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "k
 MB = 1 << 20
 
 
-
 def _packed_value(value: str | dict[str, str] | None) -> str | dict[str, str] | None:
     packed_kernels(value)  # one message that says what may be written, whatever is wrong
     return value
