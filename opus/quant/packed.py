@@ -20,7 +20,7 @@ saturates 16-bit pair sums, as AVX2's ``vpmaddubsw`` does, fails it). Each call 
 call into Python and the library's argument set-up), so big layers win and tiny ones lose: the static
 KV cache's compiled steps take a kernel per phase where ``kv_config`` measured it faster
 (``w8a8_packed_gemm``, opus.kv.static); the eager paths and exports keep ``_int_mm``. The twins cost
-about the int8 weights' bytes once more per kernel (``packed_bytes``).
+the int8 weights' bytes once more per kernel, FBGEMM's twice (``packed_bytes``).
 """
 
 from __future__ import annotations
@@ -112,16 +112,15 @@ def active() -> PackedKernel | None:
 
 
 @contextlib.contextmanager
-def use(kernel: str | bool = "onednn") -> Iterator[None]:
-    """W8A8 layers on the CPU run their int8 GEMM through ``kernel``'s packed op while this lasts (False:
+def use(kernel: str | None) -> Iterator[None]:
+    """W8A8 layers on the CPU run their int8 GEMM through ``kernel``'s packed op while this lasts (None:
     through none). Raises ValueError where ``available()`` says no."""
-    name = "onednn" if kernel is True else kernel or None
-    if name is not None:
-        reason = kernel_named(name).available()
+    if kernel is not None:
+        reason = kernel_named(kernel).available()
         if reason is not None:
             raise ValueError(reason)
     saved = _ACTIVE[0]
-    _ACTIVE[0] = name
+    _ACTIVE[0] = kernel
     try:
         yield
     finally:

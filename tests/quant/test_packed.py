@@ -116,7 +116,7 @@ def test_use_refuses_where_the_kernel_is_missing(monkeypatch: pytest.MonkeyPatch
     named = "no packed int8 GEMM named 'mkl'; there are fbgemm, onednn"
     with pytest.raises(ValueError, match=named), packed.use("mkl"):
         pass
-    with packed.use(False):
+    with packed.use(None):
         assert packed.active() is None
 
 
