@@ -15,11 +15,13 @@ or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged 
 ``input_len``/``output_len`` given here) at each batch size that fits the memory budget (default:
 1 and the workload's), in interleaved rounds (``repeats``), each round timed as the prefill plus
 the median decode step for every step. At each batch size the shared rule of
-``opus.runtime.choose`` picks: the fastest, unless others are within the noise margin of it; then
-the simpler wins (each kind's ``simplicity``: growing, pooled, static, CUDA graph);
-``decisions.json`` keeps the rounds, margin and reason. Where the winners differ (a compiled static
-step wins at batch 1, where per-op dispatch bounds a step, and a pooled cache at batch 32), the
-recipe gets a ``by_batch`` cache that picks by the request's batch size. With
+``opus.runtime.choose`` picks: the fastest, unless others are within the noise margin of it;
+among those tied, the one whose time to first token is shortest beyond its own noise margin (the
+same rule over the prefills of the same rounds: a compiled prefill that a request's decode steps
+hide still shortens D), then the simpler wins (each kind's ``simplicity``: growing, pooled, static,
+CUDA graph); ``decisions.json`` keeps the rounds, margin and reason of both. Where the winners
+differ (a compiled static step wins at batch 1, where per-op dispatch bounds a step, and a pooled
+cache at batch 32), the recipe gets a ``by_batch`` cache that picks by the request's batch size. With
 ``run.decisions_from`` the caches of that run are measured and kept instead. The choice is written
 into the recipe as ``{"kind": "kv_cache", "cache": {...}}``, which baseline/eval and the engine
 read to build their cache. The step changes no tensor.
@@ -194,9 +196,31 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
     options = [option(row) for row in rows]
     decision = decide(f"KV cache at batch {prompts.shape[0]}", options, rounds, warmup=warmup, timer=reported,
                       on_repeat=lambda: progress.expect(len(rows) * rounds * output_len))
+    decisions = [decision]
+    if len(decision.tied) > 1:
+        first_token = _first_token_among_tied(decision, options, {n: [r.ttft_s for r in runs[n][warmup:]]
+                                                                  for n in decision.tied})
+        decisions.append(first_token)
     for row, opt in zip(rows, options):
         row.update(throughput_figures(runs[opt.name][warmup:], output_len), label=opt.name)
-    return decision, next(row for row, opt in zip(rows, options) if opt.name == decision.winner)
+    return decisions, next(row for row, opt in zip(rows, options) if opt.name == decision.winner)
+
+
+def _first_token_among_tied(decision: Any, options: list[Any], prefill_s: dict[str, list[float]]) -> Any:
+    """Among the caches tied on the request's time, the one with the shortest time to first token (the
+    shared rule over the prefills of the same rounds; tied again, the simpler). The request's decision
+    then names it, and its reason says why."""
+    from opus.runtime.choose import decide_from
+
+    tied = [o for o in options if o.name in decision.tied]
+    first_token = decide_from(f"time to first token, among the KV caches tied {decision.what[len('KV cache '):]}",
+                              tied, prefill_s)
+    if first_token.winner != decision.winner:
+        decision.reason += (f"; among those tied, {first_token.winner} has the shortest time to first token "
+                            f"({first_token.medians[first_token.winner] * 1e3:.2f} against "
+                            f"{first_token.medians[decision.winner] * 1e3:.2f} ms for {decision.winner})")
+        decision.winner = first_token.winner
+    return first_token
 
 
 def _replayed(path: Any, batches: list[int]) -> dict[int, list[dict[str, Any]]]:
@@ -325,8 +349,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         if fitting:
             prompts = random_blocks(batch, input_len, vocab_size(model), cfg.seed).to(device)
             torch.manual_seed(cfg.seed)
-            decision, winners[batch] = _race(model, prompts, output_len, fitting, max(1, warmup), rounds, progress)
-            decisions.append(replayed(decision.what, decision.winner, str(replay)) if replay else decision)
+            raced, winners[batch] = _race(model, prompts, output_len, fitting, max(1, warmup), rounds, progress)
+            decisions += [replayed(raced[0].what, raced[0].winner, str(replay))] if replay else raced
     measured = [r for r in rows if "throughput_tok_s" in r]
     if not measured:
         raise ValueError(f"no candidate fits the memory budget of {budget / MB:.0f} MB "

@@ -37,8 +37,15 @@ def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_pat
     # (2 pooled + growing + static with torch's attention and with the blocked kernels) x 2 batch sizes
     assert len(report["candidates"]) == 5 * 2
     assert all(c["throughput_tok_s"] > 0 for c in report["candidates"])
-    decisions = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
+    recorded = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
+    decisions = [d for d in recorded if d["what"].startswith("KV cache")]
     assert [d["what"] for d in decisions] == ["KV cache at batch 1", "KV cache at batch 2"]
+    for decision in decisions:  # ties on the request's time are settled by the time to first token
+        first_token = [d for d in recorded if d["what"].endswith(f"tied {decision['what'][9:]}")]
+        assert len(first_token) == (len(decision["tied"]) > 1)
+        if first_token:
+            assert {c["name"] for c in first_token[0]["candidates"]} == set(decision["tied"])
+            assert decision["winner"] == first_token[0]["winner"]
     for batch, decision in zip((1, 2), decisions):  # the recipe's cache at each batch size is the decision's
         rows = {c["label"]: c for c in report["candidates"] if c["batch_size"] == batch}
         assert {c["name"] for c in decision["candidates"]} == set(rows)
@@ -49,6 +56,28 @@ def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_pat
         assert type(make_cache(chosen, SHAPE, batch, 16)) is type(make_cache(won, SHAPE, batch, 16))
     assert result.metrics["kv_exact_match"] == 1.0 and result.metrics["kv_max_batch"] >= 2
     assert not undeclared_metrics(kv_config, result.metrics)  # what gates are checked against before a run
+
+
+def test_a_tie_on_the_request_goes_to_the_shorter_time_to_first_token():
+    from opus.runtime.choose import Option, decide_from
+
+    # Equally fast requests (within the noise), but one prefills in 15 ms against 20: that one serves.
+    options = [Option("eager prefill", simplicity=2), Option("compiled prefill", simplicity=3)]
+    request = decide_from("KV cache at batch 1", options, {"eager prefill": [0.100, 0.101, 0.100],
+                                                           "compiled prefill": [0.100, 0.100, 0.101]})
+    assert set(request.tied) == {"eager prefill", "compiled prefill"}
+    assert request.winner == "eager prefill"  # the simpler, before the first token is asked
+    first_token = kv_config._first_token_among_tied(request, options, {"eager prefill": [0.020, 0.020, 0.021],
+                                                                       "compiled prefill": [0.015, 0.015, 0.016]})
+    assert first_token.what == "time to first token, among the KV caches tied at batch 1"
+    assert request.winner == first_token.winner == "compiled prefill"
+    assert "shortest time to first token (15.00 against 20.00 ms" in request.reason
+    # Prefills within the noise of each other as well: the simpler keeps it.
+    request = decide_from("KV cache at batch 1", options, {"eager prefill": [0.100, 0.101, 0.100],
+                                                           "compiled prefill": [0.100, 0.100, 0.101]})
+    kv_config._first_token_among_tied(request, options, {"eager prefill": [0.020, 0.020, 0.020],
+                                                         "compiled prefill": [0.0199, 0.0200, 0.0200]})
+    assert request.winner == "eager prefill" and "first token" not in request.reason
 
 
 def test_an_earlier_runs_caches_are_replayed(tmp_path):
