@@ -216,9 +216,13 @@ def _first_token_among_tied(decision: Any, options: list[Any], prefill_s: dict[s
     first_token = decide_from(f"time to first token, among the KV caches tied {decision.what[len('KV cache '):]}",
                               tied, prefill_s)
     if first_token.winner != decision.winner:
-        decision.reason += (f"; among those tied, {first_token.winner} has the shortest time to first token "
-                            f"({first_token.medians[first_token.winner] * 1e3:.2f} against "
-                            f"{first_token.medians[decision.winner] * 1e3:.2f} ms for {decision.winner})")
+        fastest = min(decision.medians, key=lambda n: (decision.medians[n], n))
+        where = ("fastest" if first_token.winner == fastest
+                 else f"tied with the fastest ({fastest})")
+        decision.reason = (f"{where}; of the {len(tied)} tied within the {decision.margin:.1%} noise margin, "
+                           f"the shortest time to first token ({first_token.medians[first_token.winner] * 1e3:.2f}"
+                           f" against {first_token.medians[decision.winner] * 1e3:.2f} ms for the simpler "
+                           f"{decision.winner})")
         decision.winner = first_token.winner
     return first_token
 

@@ -71,7 +71,8 @@ def test_a_tie_on_the_request_goes_to_the_shorter_time_to_first_token():
                                                                        "compiled prefill": [0.015, 0.015, 0.016]})
     assert first_token.what == "time to first token, among the KV caches tied at batch 1"
     assert request.winner == first_token.winner == "compiled prefill"
-    assert "shortest time to first token (15.00 against 20.00 ms" in request.reason
+    assert request.reason == ("fastest; of the 2 tied within the 2.0% noise margin, the shortest time to first "
+                              "token (15.00 against 20.00 ms for the simpler eager prefill)")
     # Prefills within the noise of each other as well: the simpler keeps it.
     request = decide_from("KV cache at batch 1", options, {"eager prefill": [0.100, 0.101, 0.100],
                                                            "compiled prefill": [0.100, 0.100, 0.101]})
