@@ -69,7 +69,12 @@ class RotaryEmbedding(nn.Module):
 
     Frequencies are computed per call in fp32 rather than kept in a buffer: a buffer would be
     cast by ``model.to(torch.bfloat16)`` and silently blur positions, and a 128k-position cos/sin
-    table would cost tens of MB. The cost is a few tiny ops per forward, not per layer.
+    table would cost tens of MB. The cost is a few tiny ops per forward, not per layer — except in a
+    compiled prompt: cos and sin read no buffer, so inductor recomputes them (pow, cos, sin) inside
+    every kernel that applies them, for every head of every layer. There they come from one opaque op
+    (``opus::rope_cos_sin``), computed once (K3 at batch 32 × 512, q and k: 5.7 against 2.8 ms a layer;
+    the 135M shape at one 512-token prompt: 0.51 against 0.19 ms a layer; Intel Xeon, 2 threads). A
+    compiled decode step (one position per row) and exports keep the inline ops.
     """
 
     def __init__(self, head_dim: int, theta: float) -> None:
@@ -79,11 +84,32 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype,
                 theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions``; ``theta`` another base (gemma3's local layers)."""
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim
-        inv_freq = 1.0 / ((self.theta if theta is None else theta)**exponent)
-        freqs = positions.float().unsqueeze(-1) * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        base = self.theta if theta is None else theta
+        if positions.shape[-1] > 1 and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            cos, sin = rope_cos_sin(positions, self.head_dim, float(base))
+        else:
+            cos, sin = _cos_sin(positions, self.head_dim, base)
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@torch.library.custom_op("opus::rope_cos_sin", mutates_args=())
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin ``[*positions.shape, head_dim]``: RotaryEmbedding's, as one op a compiled graph keeps."""
+    return _cos_sin(positions, head_dim, theta)
+
+
+@rope_cos_sin.register_fake
+def _(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (*positions.shape, head_dim)
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -424,3 +424,24 @@ def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
     for wrong in ("sometimes", {"decode": "mkl"}, {"warmup": "fbgemm"}, {}):
         with pytest.raises(ValueError, match="w8a8_packed_gemm must be one of prefill, decode, both, or a kernel"):
             cache_config(True, w8a8_packed_gemm=wrong)
+
+
+@needs_cxx
+@torch.no_grad()
+def test_a_compiled_prefill_computes_rope_once_and_a_compiled_step_keeps_it_inline():
+    """inductor would recompute RoPE's cos/sin for every head of every layer of a compiled prompt; there they
+    come from one opaque op (opus::rope_cos_sin) per forward, and a decode step keeps the inline ops."""
+    from opus.models.decoder import _cos_sin, rope_cos_sin
+
+    positions = torch.arange(12).view(2, 6)  # per-row positions, as the server's steps give them
+    assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(positions, 8, 1e4), _cos_sin(positions, 8, 1e4)))
+    model = tiny_lm("llama")
+    ids = prompts(2, 10)
+    config = cache_config(True, slot_multiple=16, compile_prefill=True)
+    want = generate(model, ids, 4, cache_factory(model), return_logits=True)
+    generate(model, ids, 4, cache_factory(model, config))  # compiles the prefill and the step
+    with torch.profiler.profile() as profile:
+        got = generate(model, ids, 4, cache_factory(model, config), return_logits=True)
+    assert [e.name for e in profile.events()].count("opus::rope_cos_sin") == 1  # the prompt's; none per step
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
