@@ -45,8 +45,11 @@ class PackedKernel:
     label: str  # as a person names the library
     missing: Callable[[], str | None]  # why this torch lacks the kernel, or None
     pack: Callable[[torch.Tensor, torch.Tensor], Any]  # (qweight [N, K] int8, scale) -> twin
-    run: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]  # (q [M, K] int8, twin, scale) -> fp32
+    run: Callable[[torch.Tensor, Any, torch.Tensor], torch.Tensor]  # (q [M, K] as ``takes``, twin, scale) -> fp32
     twin_bytes: Callable[[Any, torch.Tensor], int]  # (twin, qweight) -> bytes it holds
+    # The dtype ``run`` takes the int8 values in: a kernel that wants floats (FBGEMM's quantizes them itself)
+    # gets them cast inside the compiled graph, where the cast fuses into the quantization kernel.
+    takes: torch.dtype = torch.int8
     twins: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # qweight -> twin
     checked: list[str | None] = field(default_factory=list)  # available()'s answer, once worked out
 
@@ -58,7 +61,7 @@ class PackedKernel:
 
     def linear(self, q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``q [M, K] int8 @ qweight [N, K] int8ᵀ`` times the weight's per-channel ``scale``, fp32 ``[M, N]``."""
-        return getattr(torch.ops.opus, f"{self.name}_int8_linear")(q, qweight, scale)
+        return getattr(torch.ops.opus, f"{self.name}_int8_linear")(q.to(self.takes), qweight, scale)
 
     def available(self) -> str | None:
         """Why this kernel cannot serve here, or None when it can (checked against ``_int_mm``)."""
@@ -76,7 +79,7 @@ class PackedKernel:
         q[0], qweight[0], qweight[1] = 127, 127, -127  # pairs at the extremes: 16-bit saturation shows
         scale = torch.rand(48, generator=generator) + 0.5
         try:
-            got = self.run(q, self.pack(qweight, scale), scale)
+            got = self.run(q.to(self.takes), self.pack(qweight, scale), scale)
         except RuntimeError as error:  # e.g. a CPU the library has no int8 kernel for
             return f"{self.label}'s int8 linear failed here: {str(error).splitlines()[0]}"
         want = torch._int_mm(q, qweight.t()).float() * scale
