@@ -8,9 +8,9 @@ against 12–13 ms for ``_weight_int8pack_mm`` and oneDNN's packed kernel (Intel
 Opus's activations are symmetric int8 per token (SmoothQuant); FBGEMM takes one scale and zero point
 for the whole input. So the op hands it the int8 values themselves, as floats (cast in the compiled
 graph, fused into the quantization), with scale 1 and zero point 128 (unsigned 1..255 exactly), and the
-caller applies the per-token scales, as with oneDNN. The
-product is then exactly ``_int_mm``'s. Packing goes through PyTorch's quantized-tensor API, which it has
-marked deprecated; where a later torch drops it, ``available()`` says so and the kernel is not raced.
+caller applies the per-token scales, as with oneDNN. The product is then exactly ``_int_mm``'s. Packing
+goes through PyTorch's quantized-tensor API, which it has marked deprecated; where a later torch drops
+it, ``available()`` says so and the kernel is not raced.
 """
 
 from __future__ import annotations
