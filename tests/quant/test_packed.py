@@ -82,20 +82,20 @@ def test_a_weight_is_packed_once_and_its_twin_goes_with_it(kernel: packed.Packed
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_a_compiled_graph_calls_the_packed_kernel_and_follows_the_switch(kernel: packed.PackedKernel,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_compiled_graph_calls_the_packed_kernel_and_follows_the_switch(kernel: packed.PackedKernel) -> None:
     layer = _layer(3)
     x = torch.randn(32, 96)
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
-    taken, run = [], kernel.run
-    monkeypatch.setattr(kernel, "run", lambda q, twin, scale: taken.append(q.dtype) or run(q, twin, scale))
     with torch.no_grad():
         eager = layer(x)
         with packed.use(kernel.name):
             torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-4)  # traced here
-            assert _packed_calls(lambda: compiled(x), kernel) == 1
-            # the values come as the kernel takes them (FBGEMM: floats), cast inside the graph
-            assert set(taken) == {kernel.takes}
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                compiled(x)
+            calls = [e for e in prof.events() if e.name == f"opus::{kernel.name}_int8_linear"]
+            # one call, the values as the kernel takes them (FBGEMM: floats), cast inside the graph
+            taken = {torch.int8: "signed char", torch.float32: "float"}[kernel.takes]
+            assert [e.input_dtypes[0] for e in calls] == [taken]
         # the choice is guarded: the graph is traced again without the packed kernel
         torch.testing.assert_close(compiled(x), eager, rtol=1e-5, atol=1e-5)
         assert _packed_calls(lambda: compiled(x), kernel) == 0

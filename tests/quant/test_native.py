@@ -1,0 +1,84 @@
+"""The packed GEMM ops' C++ kernels (opus.quant.native): exact, Python-free in compiled graphs, twins
+dropped with their weights, and the Python kernels where they are not built."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from opus.bench.torch_contenders import find_cxx
+from opus.quant import native, packed
+from opus.quant.fbgemm import FBGEMM
+from opus.quant.onednn import ONEDNN
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = [pytest.param(kernel, id=kernel.name,
+                        marks=pytest.mark.skipif(kernel.available() is not None, reason=str(kernel.available())))
+           for kernel in (ONEDNN, FBGEMM)]
+
+
+@pytest.fixture
+def built() -> None:
+    if find_cxx() is None:
+        pytest.skip("the C++ kernels are built with a C++ compiler; none found")
+    reason = native.load()
+    if reason is not None:
+        pytest.fail(f"a compiler is here, yet {reason}")
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_compiled_graph_runs_the_cpp_kernel_without_python(kernel: packed.PackedKernel,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(1)
+    qweight = torch.randint(-127, 128, (48, 64), dtype=torch.int8, generator=generator)
+    scale = torch.rand(48, generator=generator) + 0.5
+    q = torch.randint(-127, 128, (5, 64), dtype=torch.int8, generator=generator)
+    compiled = torch.compile(lambda q: kernel.linear(q, qweight, scale), fullgraph=True,
+                             options={"cpp_wrapper": True})
+    with packed.use(kernel.name):
+        monkeypatch.setattr(kernel, "run", lambda *args: pytest.fail("the Python kernel ran"))
+        got = compiled(q)  # packs the weight on first meeting it (through the Python packing), then C++ only
+        again = compiled(q)
+    want = torch._int_mm(q, qweight.t()).float() * scale
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
+@pytest.mark.usefixtures("built")
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_cpp_table_drops_a_twin_with_its_weight(kernel: packed.PackedKernel) -> None:
+    qweight = torch.randint(-127, 128, (32, 64), dtype=torch.int8)
+    scale = torch.rand(32) + 0.5
+    with packed.use(kernel.name):
+        kernel.linear(torch.ones(2, 64, dtype=torch.int8), qweight, scale)
+    impl = qweight._cdata
+    held = torch.ops.opus_native.forget(kernel.name, impl)  # forgets it here, as the weight's end would
+    assert held == 1
+    kernel.linear(torch.ones(2, 64, dtype=torch.int8), qweight, scale)  # met again: packed again
+    del qweight
+    gc.collect()
+    assert torch.ops.opus_native.forget(kernel.name, impl) == 0  # gone with the weight
+
+
+def test_without_the_cpp_kernels_the_python_ones_serve() -> None:
+    code = ("import torch\n"
+            "from opus.quant import native, packed\n"
+            "from opus.quant.fbgemm import FBGEMM\n"
+            "qweight = torch.randint(-127, 128, (48, 64), dtype=torch.int8); scale = torch.rand(48) + 0.5\n"
+            "q = torch.randint(-127, 128, (3, 64), dtype=torch.int8)\n"
+            "with packed.use('fbgemm'):\n"
+            "    got = FBGEMM.linear(q, qweight, scale)\n"
+            "assert torch.equal(got, torch._int_mm(q, qweight.t()).float() * scale)\n"
+            "print(native.load())\n")
+    if FBGEMM.available() is not None:
+        pytest.skip(str(FBGEMM.available()))
+    env = {**os.environ, "OPUS_NATIVE_OPS": "0"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "OPUS_NATIVE_OPS=0"
