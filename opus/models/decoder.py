@@ -85,7 +85,8 @@ class RotaryEmbedding(nn.Module):
                 theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin at ``positions``; ``theta`` another base (gemma3's local layers)."""
         base = self.theta if theta is None else theta
-        if positions.shape[-1] > 1 and torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        # is_compiling first: under fx's symbolic trace the shape is a proxy, and a branch on it fails.
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting() and positions.shape[-1] > 1:
             cos, sin = rope_cos_sin(positions, self.head_dim, float(base))
         else:
             cos, sin = _cos_sin(positions, self.head_dim, base)
