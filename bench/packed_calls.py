@@ -35,7 +35,7 @@ def python_op(kernel: packed.PackedKernel) -> Any:
     """An op like ``opus::<kernel>_int8_linear`` whose CPU kernel is the Python one."""
     name = f"{kernel.name}_python"
     _BENCH.define(f"{name}(Tensor q, Tensor qweight, Tensor scale) -> Tensor")
-    _BENCH.impl(name, lambda q, qweight, scale: kernel.run(q, kernel.twin(qweight, scale), scale), "CPU")
+    _BENCH.impl(name, kernel.python_kernel, "CPU")
     torch.library.register_fake(f"opus_bench::{name}", lib=_BENCH)(
         lambda q, qweight, scale: q.new_empty((q.shape[0], qweight.shape[0]), dtype=torch.float32))
     return getattr(torch.ops.opus_bench, name)

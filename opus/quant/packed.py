@@ -62,6 +62,10 @@ class PackedKernel:
             entry = self.twins[qweight] = self.pack(qweight, scale)
         return entry
 
+    def python_kernel(self, q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The op's kernel in Python (where opus.quant.native's C++ one is not built): the twin, then ``run``."""
+        return self.run(q, self.twin(qweight, scale), scale)
+
     def linear(self, q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """``q [M, K] int8 @ qweight [N, K] int8ᵀ`` times the weight's per-channel ``scale``, fp32 ``[M, N]``."""
         if not torch.compiler.is_compiling():  # a compiled graph was traced under use(), which placed it
@@ -120,8 +124,7 @@ def _kernel_in_place(kernel: PackedKernel) -> None:
     if kernel.name in _PLACED:
         return
     if native.load() is not None:
-        _LIB.impl(f"{kernel.name}_int8_linear",
-                  lambda q, qweight, scale: kernel.run(q, kernel.twin(qweight, scale), scale), "CPU")
+        _LIB.impl(f"{kernel.name}_int8_linear", kernel.python_kernel, "CPU")
     _PLACED.add(kernel.name)
 
 
