@@ -63,18 +63,22 @@ class PoolStats:
 class BlockPool:
     """Freed flat storage blocks, keyed by (dtype, device), handed out best-fit.
 
-    A request takes the smallest free block that is big enough; ``max_bytes`` caps what the pool
-    holds (the largest blocks beyond it go back to the allocator).
+    A request takes the smallest free block that is big enough and at most ``max_slack`` times its
+    size: a small cache handed a large request's block would hold (and report) memory it never uses,
+    so the request gets fresh storage instead. ``max_bytes`` caps what the pool holds (the largest
+    blocks beyond it go back to the allocator).
     """
 
-    def __init__(self, max_bytes: int | None = None) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int | None = None, max_slack: float = 2.0) -> None:
+        if max_slack < 1:
+            raise ValueError(f"max_slack must be at least 1, not {max_slack}")
+        self.max_bytes, self.max_slack = max_bytes, max_slack
         self._free: dict[tuple[torch.dtype, str], list[torch.Tensor]] = defaultdict(list)
         self.stats = PoolStats()
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         free = self._free[(dtype, str(device))]
-        fits = [i for i, b in enumerate(free) if b.numel() >= numel]
+        fits = [i for i, b in enumerate(free) if numel <= b.numel() <= numel * self.max_slack]
         if fits:
             block = free.pop(min(fits, key=lambda i: free[i].numel()))  # by index: tensors have no ==
             self.stats.reused += 1

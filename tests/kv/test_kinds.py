@@ -23,6 +23,7 @@ from opus.kv.cache import (
     make_cache,
     registered_kinds,
 )
+from opus.kv.pool import default_pool
 from opus.kv.sizing import kv_bytes_per_token
 from opus.models import DecoderLM, ModelConfig, decoder
 from opus.pipeline.code_reach import stage_reach
@@ -62,6 +63,7 @@ def test_opus_kinds_are_registered_with_the_whole_interface() -> None:
 def test_every_kind_builds_fits_its_memory_and_describes_itself(config: dict) -> None:
     """Build at batch 2 for a full context; the bytes it holds per sequence bound what max_batch promises."""
     batch, context = 2, 24
+    default_pool().clear()  # blocks an earlier test freed would size this cache by that test's request
     options = {k: v for k, v in config.items() if k not in ("kind", "provider")}
     kind = kind_of(config["kind"], config.get("provider"))
     cache = make_cache(config, CFG, batch, context)

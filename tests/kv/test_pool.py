@@ -129,3 +129,21 @@ def test_a_block_made_under_inference_mode_can_be_written_outside_it():
     assert again is block and pool.stats.reused == 1
     again.copy_(torch.arange(16.0))  # an inference tensor would refuse this in-place write
     assert again.tolist() == list(range(16))
+
+
+def test_a_block_far_larger_than_the_request_is_not_handed_out():
+    """A small cache given a big request's freed block would hold and report memory it never uses
+    (kv_config's memory check and max_batch read ``nbytes``): beyond ``max_slack`` it gets fresh storage."""
+    pool, cpu = BlockPool(max_slack=2.0), torch.device("cpu")
+    big = pool.acquire(1000, torch.float32, cpu)
+    pool.release(big)
+    small = pool.acquire(100, torch.float32, cpu)
+    assert small is not big and small.numel() == 100 and pool.stats.reused == 0
+    near = pool.acquire(600, torch.float32, cpu)  # within twice the request: reused
+    assert near is big and pool.stats.reused == 1
+    cache = PooledKVCache(num_layers=1, prealloc=4, step=4, pool=pool)
+    pool.release(pool.acquire(64 * 2 * 2 * 64, torch.float32, cpu))  # a large request's block, freed
+    cache.update(0, kv(3), kv(3))
+    assert cache.nbytes() == 2 * 2 * 2 * 4 * 4 * 4  # K and V × batch 2 × 2 heads × 4 positions × dim 4, fp32
+    with pytest.raises(ValueError, match="max_slack"):
+        BlockPool(max_slack=0.5)
