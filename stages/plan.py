@@ -11,12 +11,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from opus.errors import InputError
+from opus.fusion.as_run import fused_and_compiled
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.quant.calibrate import CALIBRATION_FILE, collect_stats
 from opus.quant.formats import FORMATS, check_format, known
 from opus.quant.plan import PLAN_FILE, PlanRequest, assignment_from_plan, make_plan
 from opus.quant.sensitivity import Scoring
+from opus.quant.validate import check_runtime
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.runtime.data import load_blocks
 
@@ -74,6 +76,11 @@ class Config(BaseModel):
                            "the whole model and keep the fastest, a tie within the noise going to the more "
                            "accurate (holds another float copy of the model and one quantized copy per "
                            "contender while timing)")
+    end_to_end_runtime: Literal["auto", "compiled", "eager"] = Field(
+        "auto", description="how the check runs each contender: compiled = fused (every fusion pattern, MoE "
+        "experts compiled at prefill) with compiled decode steps in the static KV cache, as the fuse and "
+        "kv_config stages can run it; eager = unfused, growing cache; auto = compiled where the static cache "
+        "can run the model (an Opus decoder), else eager")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     sensitivity: Sensitivity = Field(default_factory=Sensitivity)
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
@@ -105,6 +112,12 @@ def preflight(cfg: Config, spec: Any) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
+def _check_runtime(model: Any, runtime: str) -> dict[str, Any]:
+    """The end-to-end check's runtime as PlanRequest takes it: how to ready a contender, and its name."""
+    used, why = check_runtime(model, runtime)
+    return {"check_prepare": fused_and_compiled if used == "compiled" else None, "check_runtime": why}
+
+
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     loaded = ctx.load_model()
     model = loaded.model
@@ -126,7 +139,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
                               cfg.group_size, cfg.end_to_end_check, cfg.rounds,
                               Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"),
-                              _cluster(ctx, model))
+                              _cluster(ctx, model), **_check_runtime(model, cfg.end_to_end_runtime))
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
         sweep = doc["sensitivity"]
         ctx.log(f"sensitivity: {sweep['units']} units, {sweep['measured']} measured, {sweep['reused']} reused "

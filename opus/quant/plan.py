@@ -19,7 +19,7 @@ from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_docum
 from opus.quant.sensitivity import Scoring, Tally, UnitCache, measure_sensitivity, scores_smoothed_in_one_pass
 from opus.quant.smooth import choose_factors, fold_factors, input_scales, smooth_groups
 from opus.quant.speed import KernelTimer, group_rounds_ms
-from opus.quant.validate import PLAN, check_end_to_end
+from opus.quant.validate import PLAN, Prepare, check_end_to_end
 from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
 
 PLAN_FILE = "plan.yaml"  # the plan stage's document: the chosen format per group, and why
@@ -47,6 +47,10 @@ class PlanRequest:
     # Kernel timings by group, filled as they are measured and reused where present: two plans made with
     # one dict differ only by their scores (a comparison of scoring methods holds the timings fixed).
     timings: dict[str, dict[str, list[float]]] | None = None
+    # How the end-to-end check readies each contender to run (opus.quant.validate.Prepare; None: as it is,
+    # in the growing cache), and what to call that in the report.
+    check_prepare: Prepare | None = None
+    check_runtime: str = "eager"
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -136,7 +140,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     if pristine is not None:
         chosen, report, more, checked = check_end_to_end(pristine, choices, chosen, formats, limit, stats,
                                                          request.group_size, workload, blocks, progress,
-                                                         rounds=request.rounds)
+                                                         rounds=request.rounds, prepare=request.check_prepare,
+                                                         runtime=request.check_runtime)
         notes.extend(more)
         decisions += [checked] if checked else []
     for choice, decision in zip(choices, decisions):  # the pick alone is not the plan: budget, rules, check

@@ -9,10 +9,16 @@ the workload's shape in interleaved rounds and picks by the shared rule of ``opu
 fastest, unless others are within the noise margin of it; then the more accurate (lower predicted
 Δ cross-entropy), then the simpler (a uniform assignment before the per-layer plan).
 
-The contenders run unfused (the fuse stage comes later and changes every contender alike, except
-that float experts group and quantized ones loop per expert): the check ranks assignments, it does
-not predict the final figures. Memory: the float model once more, plus one quantized copy per
-contender, all alive while they are timed (``end_to_end_check: false`` in the plan stage skips it).
+Each contender runs as the later stages can run it (``runtime``). ``compiled``, where the static KV cache
+can run the model (an Opus decoder): fused as the fuse stage fuses (opus.fusion, every pattern), a MoE's
+experts in the ``compiled`` mode at prefill where they have one, decode steps compiled in the static
+cache. ``eager``: unfused, the growing cache. The runtime changes the ranking: on K3 (Intel Xeon, AMX)
+the eager check kept float experts (2,546 against 2,657 ms a batch for uniform W8A8), while fused and
+compiled, uniform W8A8 ran the workload ×2.4 faster than fp32 eager and the plan's float experts ×1.8.
+The check ranks assignments; it does not predict the final figures (the kv_config stage still chooses
+the cache, and compiles the prefill where that wins). Memory: the float model once more, plus one
+quantized copy per contender, all alive while they are timed (``end_to_end_check: false`` in the plan
+stage skips it).
 """
 
 from __future__ import annotations
@@ -39,6 +45,23 @@ PLAN = "plan"
 # plan's cannot come out ahead: not worth timing (on a CPU without VNNI, uniform W8A8 prefilled 17×
 # slower than the plan and took half of a 135M model's plan stage to time).
 FAR_SLOWER = 2.0
+RUNTIMES = ("auto", "compiled", "eager")
+# A contender's model made ready to time: (the model to run, its cache factory). None: as it is, growing cache.
+Prepare = Callable[[nn.Module, torch.Tensor], tuple[nn.Module, Any]]
+
+
+def check_runtime(model: nn.Module, runtime: str) -> tuple[str, str]:
+    """(the runtime the check uses, why): ``auto`` is ``compiled`` where the static cache can run the model."""
+    from opus.kv.static import decoder_reason
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"end-to-end check runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    reason = decoder_reason(model)
+    if runtime == "compiled" and reason:
+        raise ValueError(f"the end-to-end check cannot run compiled: {reason}")
+    if runtime == "auto":
+        return ("eager", f"eager: {reason}") if reason else ("compiled", "compiled: fused, static KV cache")
+    return runtime, {"compiled": "compiled: fused, static KV cache"}.get(runtime, runtime)
 
 
 def kernel_ms(chosen: dict[str, Candidate]) -> float:
@@ -91,10 +114,12 @@ def _error(chosen: dict[str, Candidate]) -> float:
 def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, Candidate]],
                        choices: list[GroupChoice], stats: ActivationStats, group_size: int, workload: Any,
                        blocks: torch.Tensor, *, decode_steps: int = 16, rounds: int = DEFAULT_ROUNDS,
-                       progress: Progress | None = None) -> tuple[dict[str, dict[str, float]], Decision]:
+                       progress: Progress | None = None, prepare: Prepare | None = None
+                       ) -> tuple[dict[str, dict[str, float]], Decision]:
     """Per contender: prefill ms, decode ms per step (each round's median step) and the workload's
     batch ms (prefill plus ``output_len - 1`` decode steps), medians over ``rounds`` interleaved
-    rounds; and the decision."""
+    rounds (the first, uncounted, compiles); and the decision. ``prepare(model, probe prompt)`` makes each
+    quantized contender ready to run (fused and compiled, say); None: as it is, in the growing cache."""
     prompts = workload_prompts(blocks, workload.batch_size, workload.input_len)
     steps = max(1, min(decode_steps, workload.output_len - 1))
     seen: dict[str, list[tuple[float, float]]] = {}
@@ -102,11 +127,12 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
     def option(index: int, name: str, chosen: dict[str, Candidate]) -> Option:
         model = copy.deepcopy(float_model)
         quantize_model(model, _assignment(chosen, choices), stats, group_size=group_size)
+        model, factory = prepare(model, prompts[:1]) if prepare else (model, cache_factory(model))
         if progress:
             progress(index + 1, len(contenders), f"end-to-end check: built {name}")
 
         def run() -> float:  # batch ms of the workload: the prefill, and the median step for every step
-            _, prefill, step = timed_generate(model, prompts, steps + 1, cache_factory(model))
+            _, prefill, step = timed_generate(model, prompts, steps + 1, factory)
             seen.setdefault(name, []).append((prefill * 1e3, step * 1e3))
             return (prefill + (workload.output_len - 1) * step) * 1e3
 
@@ -125,10 +151,12 @@ def measure_contenders(float_model: nn.Module, contenders: dict[str, dict[str, C
 
 def check_end_to_end(float_model: nn.Module, choices: list[GroupChoice], planned: dict[str, Candidate],
                      formats: list[str], limit: float, stats: ActivationStats, group_size: int, workload: Any,
-                     blocks: torch.Tensor, progress: Progress | None = None, rounds: int = DEFAULT_ROUNDS
+                     blocks: torch.Tensor, progress: Progress | None = None, rounds: int = DEFAULT_ROUNDS,
+                     prepare: Prepare | None = None, runtime: str = "eager"
                      ) -> tuple[dict[str, Candidate], dict[str, Any], list[str], Decision | None]:
     """``(chosen, report, notes, decision)``: the per-layer plan, or the uniform assignment the
-    shared rule picks over it (``decision`` is None when nothing but the plan was left to time)."""
+    shared rule picks over it (``decision`` is None when nothing but the plan was left to time).
+    ``prepare`` readies each contender to run (``measure_contenders``); ``runtime`` says how, for the report."""
     alternatives, notes = uniform_alternatives(choices, formats, limit, planned)
     contenders = {PLAN: planned}
     for name, chosen in alternatives.items():
@@ -140,10 +168,10 @@ def check_end_to_end(float_model: nn.Module, choices: list[GroupChoice], planned
         notes.append("end-to-end check skipped: no uniform format differs from the plan within the budget")
         return planned, {}, notes, None
     measured, decision = measure_contenders(float_model, contenders, choices, stats, group_size, workload, blocks,
-                                            rounds=rounds, progress=progress)
+                                            rounds=rounds, progress=progress, prepare=prepare)
     kept = decision.winner
     report = {"workload": {"batch_size": workload.batch_size, "input_len": workload.input_len,
-                           "output_len": workload.output_len},
+                           "output_len": workload.output_len}, "runtime": runtime,
               "contenders": measured, "kept": kept, "margin": round(decision.margin, 4), "tied": decision.tied,
               "reason": decision.reason}
     if kept != PLAN:

@@ -222,7 +222,16 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     model = tiny_decoder("mixtral", outlier=20.0)
     data = blocks(4, 32)
     stats = collect_stats(model, data)
-    request = PlanRequest(["w8a8", "w8a16"], force={"*.mlp.gate": "fp32"}, budget_value=0.5, validate=True)
+    from opus.fusion.as_run import fused_and_compiled
+
+    readied: list[str] = []
+
+    def prepare(contender: torch.nn.Module, prompt: torch.Tensor):  # noqa: ANN202
+        readied.append(type(contender).__name__)
+        return fused_and_compiled(contender, prompt)
+
+    request = PlanRequest(["w8a8", "w8a16"], force={"*.mlp.gate": "fp32"}, budget_value=0.5, validate=True,
+                          check_prepare=prepare, check_runtime="compiled: fused, static KV cache")
     weights = {n: t.clone() for n, t in model.state_dict().items()}
     doc, decisions = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
     measured = doc["measured"]
@@ -234,6 +243,8 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
         why_not = (f"{name} is the per-layer plan itself", f"{name} not measured: its kernels alone")
         assert name in contenders or any(n.startswith(why_not) for n in doc["notes"]), doc["notes"]
     assert "plan" in contenders and len(contenders) >= 2, doc["notes"]  # something was checked end to end
+    # Every contender was readied to run as the later stages run it (fused, compiled decode steps).
+    assert len(readied) == len(contenders) and measured["runtime"] == "compiled: fused, static KV cache"
     check = decisions[-1]
     for name, row in contenders.items():  # batch ms: the median over rounds of prefill + 3 decode steps
         assert row["batch_ms"] == round(check.medians[name], 2)
@@ -251,6 +262,21 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     # The contenders were built from copies: the planner's own model is only smoothed, never quantized.
     assert not any(t.dtype == torch.int8 for t in model.state_dict().values())
     assert set(model.state_dict()) == set(weights)
+
+
+def test_the_end_to_end_check_runs_compiled_where_the_static_cache_can_else_eager() -> None:
+    from opus.quant.validate import check_runtime
+
+    decoder, other = tiny_decoder("llama"), torch.nn.Linear(4, 4)
+    assert check_runtime(decoder, "auto") == ("compiled", "compiled: fused, static KV cache")
+    assert check_runtime(decoder, "eager") == ("eager", "eager")
+    runtime, why = check_runtime(other, "auto")
+    assert runtime == "eager"
+    assert why == "eager: Linear is not an Opus decoder, which alone hands decode steps to the cache"
+    with pytest.raises(ValueError, match="cannot run compiled: Linear is not an Opus decoder"):
+        check_runtime(other, "compiled")
+    with pytest.raises(ValueError, match="one of auto, compiled, eager"):
+        check_runtime(decoder, "jit")
 
 
 @torch.no_grad()
