@@ -76,11 +76,12 @@ class Config(BaseModel):
                            "the whole model and keep the fastest, a tie within the noise going to the more "
                            "accurate (holds another float copy of the model and one quantized copy per "
                            "contender while timing)")
-    end_to_end_runtime: Literal["auto", "compiled", "eager"] = Field(
-        "auto", description="how the check runs each contender: compiled = fused (every fusion pattern, MoE "
-        "experts compiled at prefill) with compiled decode steps in the static KV cache, as the fuse and "
-        "kv_config stages can run it; eager = unfused, growing cache; auto = compiled where the static cache "
-        "can run the model (an Opus decoder), else eager")
+    runtime: Literal["auto", "compiled", "eager"] = Field(
+        "auto", description="how the model will run, which the kernel timings and the end-to-end check follow: "
+        "compiled = fused (every fusion pattern, MoE experts compiled at prefill) with compiled steps in the "
+        "static KV cache, as the fuse and kv_config stages can run it (kernels are timed eagerly and through "
+        "inductor, each keeping the faster); eager = unfused, growing cache; auto = compiled where the static "
+        "cache can run the model (an Opus decoder), else eager")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     sensitivity: Sensitivity = Field(default_factory=Sensitivity)
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
@@ -113,9 +114,12 @@ def preflight(cfg: Config, spec: Any) -> list[tuple[tuple[str, ...], str]]:
 
 
 def _check_runtime(model: Any, runtime: str) -> dict[str, Any]:
-    """The end-to-end check's runtime as PlanRequest takes it: how to ready a contender, and its name."""
+    """The runtime the plan is made for, as PlanRequest takes it: how the end-to-end check readies a
+    contender and its name, and whether kernels are timed compiled too."""
     used, why = check_runtime(model, runtime)
-    return {"check_prepare": fused_and_compiled if used == "compiled" else None, "check_runtime": why}
+    compiled = used == "compiled"
+    return {"check_prepare": fused_and_compiled if compiled else None, "check_runtime": why,
+            "compiled_kernels": compiled}
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
@@ -139,7 +143,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
                               cfg.group_size, cfg.end_to_end_check, cfg.rounds,
                               Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"),
-                              _cluster(ctx, model), **_check_runtime(model, cfg.end_to_end_runtime))
+                              _cluster(ctx, model), **_check_runtime(model, cfg.runtime))
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
         sweep = doc["sensitivity"]
         ctx.log(f"sensitivity: {sweep['units']} units, {sweep['measured']} measured, {sweep['reused']} reused "

@@ -51,6 +51,8 @@ class PlanRequest:
     # in the growing cache), and what to call that in the report.
     check_prepare: Prepare | None = None
     check_runtime: str = "eager"
+    # The model will run compiled: layers with a pure kernel are timed through inductor too (opus.quant.speed).
+    compiled_kernels: bool = False
 
 
 def usable_formats(formats: list[str], device: str, notes: list[str]) -> list[str]:
@@ -115,7 +117,7 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     sweep_s = time.monotonic() - sweep_started  # a cluster's start-up and hand-back included
     cfg = getattr(model, "config", None)
     experts, top_k = getattr(cfg, "num_experts", 0) or 0, getattr(cfg, "top_k", 0) or 0
-    timer = KernelTimer(device, dtype, request.group_size, request.rounds)
+    timer = KernelTimer(device, dtype, request.group_size, request.rounds, request.compiled_kernels)
     choices, decisions = [], []
     for index, group in enumerate(groups):
         linears = [model.get_submodule(m) for m in group.modules]

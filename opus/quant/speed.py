@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opus.quant.formats import FORMATS
@@ -25,9 +26,32 @@ class Shape:
     rows: int
 
 
+_COMPILED: dict[str, Any] = {}
+
+
+def _run_kernel(x: torch.Tensor, fn: Any, tensors: tuple) -> torch.Tensor:
+    return fn(x, *tensors)
+
+
+def _compiled_kernel() -> Any:
+    """One compiled caller for every layer kernel, dynamic in its shapes: a graph per kernel function,
+    not per shape (the planner times many shapes)."""
+    if "run" not in _COMPILED:
+        _COMPILED["run"] = torch.compile(_run_kernel, dynamic=True, fullgraph=True)
+    return _COMPILED["run"]
+
+
+def _kernel(layer: nn.Module, rows: int) -> tuple[Any, tuple] | None:
+    """The layer's pure kernel at ``rows`` rows (QuantLinear.kernel; ``F.linear`` for a float linear), or None."""
+    if type(layer) is nn.Linear:
+        return F.linear, (layer.weight, layer.bias)
+    kernel = getattr(layer, "kernel", None)
+    return kernel(rows) if kernel is not None else None
+
+
 @torch.inference_mode()
 def time_formats(formats: list[str], shape: Shape, device: str, dtype: torch.dtype, group_size: int,
-                 rounds: int = DEFAULT_ROUNDS) -> dict[str, list[float]]:
+                 rounds: int = DEFAULT_ROUNDS, compiled: bool = False) -> dict[str, list[float]]:
     """Milliseconds of one forward of a layer of ``shape`` in each format, per interleaved round.
 
     Each round calls, per format, copies of the layer in turn, enough over all rounds to exceed the
@@ -35,6 +59,12 @@ def time_formats(formats: list[str], shape: Shape, device: str, dtype: torch.dty
     where narrow weights pay off. A single cache-hot layer would favour float weights. A round's
     figure is the median of its calls (a call caught by another process is not counted); the formats
     take turns round by round (``opus.runtime.choose``), so that the machine's slow moments hit them alike.
+
+    ``compiled``: the model will run compiled (fused, in the static cache's compiled steps), so a format
+    whose layer has a pure kernel at this row count is also timed through inductor, and each round keeps
+    the faster of its two ways. Eagerly, W8A8's activation quantization is several passes over memory
+    that a compiled graph fuses into one: on K3's experts (Intel Xeon, AMX) eager W8A8 was slower than
+    fp32 and compiled it was ~1.8× faster.
     """
     rows = min(shape.rows, MAX_ROWS)
     weight_bytes = shape.in_features * shape.out_features * torch.finfo(dtype).bits // 8
@@ -43,29 +73,43 @@ def time_formats(formats: list[str], shape: Shape, device: str, dtype: torch.dty
     # Every copy is timed cold twice over all rounds, as many calls as a single timing used to take.
     calls = max(2, -(-max(7, 2 * copies) // rounds))
 
-    def option(fmt: str) -> Option:
-        turn = itertools.cycle([FORMATS[fmt].build(nn.Linear(shape.in_features, shape.out_features, bias=False,
-                                                             device=device, dtype=dtype), group_size)
-                                for _ in range(copies)])
-        return Option(fmt, lambda: statistics.median(wall_clock(lambda: next(turn)(x)) for _ in range(calls)))
+    def options(fmt: str) -> list[Option]:
+        layers = [FORMATS[fmt].build(nn.Linear(shape.in_features, shape.out_features, bias=False, device=device,
+                                               dtype=dtype), group_size) for _ in range(copies)]
+        turn = itertools.cycle(layers)
+        eager = Option(fmt, lambda: statistics.median(wall_clock(lambda: next(turn)(x)) for _ in range(calls)))
+        kernels = [_kernel(layer, rows) for layer in layers] if compiled else [None]
+        if any(k is None for k in kernels):
+            return [eager]
+        run, kernel_turn = _compiled_kernel(), itertools.cycle(kernels)
 
-    samples = interleave([option(fmt) for fmt in formats], rounds, timer=reported)
+        def call() -> torch.Tensor:
+            fn, tensors = next(kernel_turn)
+            return run(x, fn, tensors)
+
+        call()  # compiles (once per kernel function) outside the timed rounds
+        return [eager, Option(f"{fmt} compiled", lambda: statistics.median(wall_clock(call) for _ in range(calls)))]
+
+    samples = interleave([o for fmt in formats for o in options(fmt)], rounds, timer=reported)
     scale = 1e3 * shape.rows / rows  # scaled to the shape's row count
-    return {fmt: [s * scale for s in taken] for fmt, taken in samples.items()}
+    return {fmt: [min(pair) * scale for pair in zip(samples[fmt], samples.get(f"{fmt} compiled", samples[fmt]))]
+            for fmt in formats}
 
 
 class KernelTimer:
     """Caches timings by (format, shape): many layers share a shape."""
 
-    def __init__(self, device: str, dtype: torch.dtype, group_size: int, rounds: int = DEFAULT_ROUNDS) -> None:
+    def __init__(self, device: str, dtype: torch.dtype, group_size: int, rounds: int = DEFAULT_ROUNDS,
+                 compiled: bool = False) -> None:
         self.device, self.dtype, self.group_size, self.rounds = device, dtype, group_size, rounds
+        self.compiled = compiled  # time_formats' ``compiled``
         self.cache: dict[tuple[str, Shape], list[float]] = {}
 
     def __call__(self, formats: list[str], shape: Shape) -> dict[str, list[float]]:
         missing = [fmt for fmt in formats if (fmt, shape) not in self.cache]
         if missing:
             for fmt, taken in time_formats(missing, shape, self.device, self.dtype, self.group_size,
-                                           self.rounds).items():
+                                           self.rounds, self.compiled).items():
                 self.cache[(fmt, shape)] = taken
         return {fmt: self.cache[(fmt, shape)] for fmt in formats}
 
