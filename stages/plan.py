@@ -113,10 +113,13 @@ def preflight(cfg: Config, spec: Any) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
-def _check_runtime(model: Any, runtime: str) -> dict[str, Any]:
+def _runtime_request(model: Any, runtime: str) -> dict[str, Any]:
     """The runtime the plan is made for, as PlanRequest takes it: how the end-to-end check readies a
     contender and its name, and whether kernels are timed compiled too."""
-    used, why = check_runtime(model, runtime)
+    try:
+        used, why = check_runtime(model, runtime)
+    except ValueError as exc:
+        raise InputError(str(exc), key="runtime") from None
     compiled = used == "compiled"
     return {"check_prepare": fused_and_compiled if compiled else None, "check_runtime": why,
             "compiled_kernels": compiled}
@@ -125,6 +128,7 @@ def _check_runtime(model: Any, runtime: str) -> dict[str, Any]:
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     loaded = ctx.load_model()
     model = loaded.model
+    runtime = _runtime_request(model, cfg.runtime)  # a model that cannot run compiled fails before any work
     text_set = ctx.spec.data.calibration or ctx.spec.data.evaluation
     if text_set is None:
         raise InputError("the plan stage needs data.calibration (or data.evaluation) text")
@@ -143,7 +147,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         request = PlanRequest(list(cfg.formats), cfg.include, cfg.exclude, cfg.force, kind, value, cfg.safety,
                               cfg.group_size, cfg.end_to_end_check, cfg.rounds,
                               Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"),
-                              _cluster(ctx, model), **_check_runtime(model, cfg.runtime))
+                              _cluster(ctx, model), **runtime)
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
         sweep = doc["sensitivity"]
         ctx.log(f"sensitivity: {sweep['units']} units, {sweep['measured']} measured, {sweep['reused']} reused "

@@ -24,6 +24,7 @@ reported unavailable with the reason.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,6 @@ from opus.fusion.ops import swiglu
 if TYPE_CHECKING:
     from opus.quant.modules import Kernel
 
-_COMPILED: dict[str, Any] = {}
 BIG = 1 << 20  # a row count for asking whether a layer has a kernel at all
 
 
@@ -54,10 +54,9 @@ def _every_expert(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, en
     return outs
 
 
+@functools.cache
 def _compiled(fn: Any) -> Any:
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, fullgraph=True, dynamic=True)
-    return _COMPILED[fn.__name__]
+    return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
 def compiled_reason(gate_up: nn.Module, down: nn.Module, device: torch.device) -> str | None:

@@ -118,8 +118,7 @@ def _build() -> str | None:
         return "OPUS_NATIVE_OPS=0"
     from torch.utils import cpp_extension
 
-    # The torch version in the name: a build cached for another torch is never loaded into this one.
-    name = NAME + "_" + re.sub(r"\W", "_", torch.__version__)
+    name = library_name()
     started = time.monotonic()
     building = not _is_built(name)
     if building:  # ~30 s of silence otherwise, once per machine
@@ -137,6 +136,11 @@ def _build() -> str | None:
     if building:
         print(f"opus: built the C++ kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return None
+
+
+def library_name() -> str:
+    """The build's name; with the torch version in it, a build cached for another torch is never loaded."""
+    return NAME + "_" + re.sub(r"\W", "_", torch.__version__)
 
 
 def _is_built(name: str) -> bool:

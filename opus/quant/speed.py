@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import statistics
 from dataclasses import dataclass
@@ -26,19 +27,15 @@ class Shape:
     rows: int
 
 
-_COMPILED: dict[str, Any] = {}
-
-
 def _run_kernel(x: torch.Tensor, fn: Any, tensors: tuple) -> torch.Tensor:
     return fn(x, *tensors)
 
 
+@functools.cache
 def _compiled_kernel() -> Any:
     """One compiled caller for every layer kernel, dynamic in its shapes: a graph per kernel function,
     not per shape (the planner times many shapes)."""
-    if "run" not in _COMPILED:
-        _COMPILED["run"] = torch.compile(_run_kernel, dynamic=True, fullgraph=True)
-    return _COMPILED["run"]
+    return torch.compile(_run_kernel, dynamic=True, fullgraph=True)
 
 
 def _kernel(layer: nn.Module, rows: int) -> tuple[Any, tuple] | None:

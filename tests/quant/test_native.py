@@ -88,7 +88,7 @@ def test_without_the_cpp_kernels_the_python_ones_serve() -> None:
 def test_a_build_says_so_before_and_after_and_a_cached_one_says_nothing(monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture) -> None:
     """The first build takes ~30 s: a person sees why the run is quiet, and where the build goes."""
-    name = native.NAME + "_" + "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    name = native.library_name()
     assert native._is_built(name)  # the fixture's build is cached where _is_built looks
     assert native._build() is None and capsys.readouterr().err == ""  # cached: loaded without a word
     monkeypatch.setattr(native, "_is_built", lambda _name: False)
