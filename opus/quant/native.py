@@ -8,9 +8,8 @@ compiled graph (``bench/packed_calls.py``, Intel Xeon with AMX, 2 threads), a ca
 135M shape's 576 x 576 took 31.1 µs through the Python kernel and 15.5 through the C++ one with FBGEMM
 (53.8 and 39.8 with oneDNN); K3's expert at prefill (512 x 256 by 384, oneDNN) 88.2 and 82.6 µs.
 
-The kernels are built once per machine and torch with torch's cpp_extension (g++ and ninja, as inductor's C++
-backend needs; cached under ``~/.cache/torch_extensions``) when a packed kernel is first put to use (a line on
-stderr before and after that ~30 s build), and serve those ops for the rest of the process (the Python kernels
+The kernels are built once per machine and torch (opus.cpp_build) when a packed kernel is first put to use,
+and serve those ops for the rest of the process (the Python kernels
 are registered only where the build fails). Twins stay owned by the Python table (``PackedKernel.twins``): the
 C++ table holds a reference, dropped when the weight goes. A weight the C++ table does not know yet (the first
 call) is packed through ``opus::<kernel>_pack``, the Python packing, once. Where the build fails the Python
@@ -19,20 +18,18 @@ kernels stay, and ``load()`` says why, once.
 
 from __future__ import annotations
 
-import os
-import re
-import sys
-import time
-import warnings
 import weakref
 from typing import Any
 
 import torch
 
+from opus import cpp_build
+
 NAME = "opus_packed_native"
 SOURCE = r"""
-#include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -114,43 +111,8 @@ def load() -> str | None:
 
 
 def _build() -> str | None:
-    if os.environ.get("OPUS_NATIVE_OPS", "1") == "0":
-        return "OPUS_NATIVE_OPS=0"
-    from torch.utils import cpp_extension
-
-    name = library_name()
-    started = time.monotonic()
-    building = not _is_built(name)
-    if building:  # ~30 s of silence otherwise, once per machine
-        print(f"opus: building the C++ kernels of the packed int8 GEMMs (once per machine and torch version, "
-              f"about 30 s) into {cpp_extension._get_build_directory(name, verbose=False)}", file=sys.stderr,
-              flush=True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cpp_extension.load_inline(name, cpp_sources=[SOURCE], is_python_module=False,
-                                      extra_cflags=["-O2"], verbose=False)
-    except (RuntimeError, OSError, ImportError) as error:  # no compiler or ninja, a failed build
-        return f"the C++ kernels of the packed GEMMs did not build ({type(error).__name__}: " \
-               f"{str(error).strip().splitlines()[-1][:200] if str(error).strip() else ''}); Python kernels serve"
-    if building:
-        print(f"opus: built the C++ kernels in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    return None
-
-
-def library_name() -> str:
-    """The build's name; with the torch version in it, a build cached for another torch is never loaded."""
-    return NAME + "_" + re.sub(r"\W", "_", torch.__version__)
-
-
-def _is_built(name: str) -> bool:
-    """Whether a build of ``name`` is cached (torch's cpp_extension then only loads it)."""
-    from torch.utils import cpp_extension
-
-    try:
-        return os.path.exists(os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so"))
-    except (OSError, RuntimeError):
-        return False
+    reason = cpp_build.build(NAME, SOURCE, "the C++ kernels of the packed int8 GEMMs")
+    return None if reason is None else f"{reason}; Python kernels serve"
 
 
 def remember(kernel: str, qweight: torch.Tensor, twin: Any) -> None:

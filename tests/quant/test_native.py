@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from opus import cpp_build
 from opus.bench.torch_contenders import find_cxx
 from opus.quant import native, packed
 from opus.quant.fbgemm import FBGEMM
@@ -81,18 +82,18 @@ def test_without_the_cpp_kernels_the_python_ones_serve() -> None:
     env = {**os.environ, "OPUS_NATIVE_OPS": "0"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "OPUS_NATIVE_OPS=0"
+    assert out.stdout.strip().splitlines()[-1] == "OPUS_NATIVE_OPS=0; Python kernels serve"
 
 
 @pytest.mark.usefixtures("built")
 def test_a_build_says_so_before_and_after_and_a_cached_one_says_nothing(monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture) -> None:
     """The first build takes ~30 s: a person sees why the run is quiet, and where the build goes."""
-    name = native.library_name()
-    assert native._is_built(name)  # the fixture's build is cached where _is_built looks
+    name = cpp_build.library_name(native.NAME)
+    assert cpp_build.is_built(name)  # the fixture's build is cached where is_built looks
     assert native._build() is None and capsys.readouterr().err == ""  # cached: loaded without a word
-    monkeypatch.setattr(native, "_is_built", lambda _name: False)
+    monkeypatch.setattr(cpp_build, "is_built", lambda _name: False)
     assert native._build() is None  # load_inline finds the build itself; the lines are what is checked
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 2 and "building the C++ kernels" in lines[0] and name in lines[0]
-    assert lines[1].startswith("opus: built the C++ kernels in ")
+    assert len(lines) == 2 and "building the C++ kernels of the packed" in lines[0] and name in lines[0]
+    assert lines[1].startswith("opus: built the C++ kernels of the packed int8 GEMMs in ")

@@ -1,0 +1,69 @@
+"""Opus's C++ ops, built once per machine and torch version with torch's cpp_extension.
+
+g++ and ninja (as inductor's C++ backend needs) build a source (which includes the torch headers it needs,
+not all of torch's C++ API) into a shared library cached under ``~/.cache/torch_extensions`` and load it
+into the process; its ``TORCH_LIBRARY`` blocks register the ops.
+A first build takes ~25-30 s, so a line on stderr says what is built before and how long it took after;
+a cached build loads silently. ``OPUS_NATIVE_OPS=0`` builds nothing. Whoever calls ``build`` keeps a
+Python path for when it returns a reason (no compiler, a failed build).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from opus.atomic import write_text
+
+
+def build(name: str, source: str, what: str, cflags: tuple[str, ...] = ("-O2", "-Wno-psabi"),
+          ldflags: tuple[str, ...] = ()) -> str | None:
+    """Build (once per machine and torch) and load ``source`` as ``name``; None when loaded, else why not.
+    ``what`` names it in the lines on stderr and in the reason."""
+    if os.environ.get("OPUS_NATIVE_OPS", "1") == "0":
+        return "OPUS_NATIVE_OPS=0"
+    from torch.utils import cpp_extension
+
+    name = library_name(name)
+    started = time.monotonic()
+    try:
+        directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        path = directory / f"{name}.cpp"  # its own file: load_inline would prepend torch/extension.h (+25 s)
+        changed = not path.exists() or path.read_text() != source
+        building = changed or not is_built(name)
+        if building:  # 10-30 s of silence otherwise, once per machine
+            print(f"opus: building {what} (once per machine and torch version, 10-30 s) into {directory}",
+                  file=sys.stderr, flush=True)
+        if changed:
+            write_text(path, source)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cpp_extension.load(name, sources=[str(path)], is_python_module=False, extra_cflags=list(cflags),
+                               extra_ldflags=list(ldflags), verbose=False)
+    except (RuntimeError, OSError, ImportError) as error:  # no compiler or ninja, a failed build
+        last = str(error).strip().splitlines()[-1][:200] if str(error).strip() else ""
+        return f"{what} did not build ({type(error).__name__}: {last})"
+    if building:
+        print(f"opus: built {what} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return None
+
+
+def library_name(name: str) -> str:
+    """The build's name; with the torch version in it, a build cached for another torch is never loaded."""
+    return name + "_" + re.sub(r"\W", "_", torch.__version__)
+
+
+def is_built(name: str) -> bool:
+    """Whether a build of ``name`` (a ``library_name``) is cached (torch's cpp_extension then only loads it)."""
+    from torch.utils import cpp_extension
+
+    try:
+        return os.path.exists(os.path.join(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so"))
+    except (OSError, RuntimeError):
+        return False
