@@ -99,9 +99,12 @@ def _padding_mask(cache: object | None, window: int | None = None) -> torch.Tens
 
 
 def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
-                   mask: torch.Tensor | None = None, kernel: str = "sdpa") -> torch.Tensor:
+                   mask: torch.Tensor | None = None, kernel: str = "sdpa",
+                   scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``decoder.attend`` with a per-row mask ``[B, 1, T, S]`` (True = visible) in place of its own; the
-    graph exported is plain SDPA whatever ``kernel`` the cache asked for."""
+    graph exported is plain SDPA whatever ``kernel`` the cache asked for (its caches keep float K/V)."""
+    if scales is not None:
+        raise ValueError("an exported graph reads float K/V; this cache handed attention int8 bytes")
     if mask is None:
         return decoder.attend(q, k, v, causal, gqa)
     b, heads, t, d = q.shape

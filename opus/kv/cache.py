@@ -58,6 +58,11 @@ class KVCache(Protocol):
     # The attention kernel the model runs with this cache: "sdpa", or "blocked" (opus.models.attention).
     attention: str
 
+    def stored_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s K and V scales when ``update`` returned int8 bytes for attention to read as stored (a
+        static cache's decode step, opus.models.int8_kv); None otherwise."""
+        ...
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v`` ([B, H, T, D]) for ``layer``; return everything stored for it ([B, H, S, D])."""
         ...
@@ -89,6 +94,9 @@ class CacheBase:
     positions: torch.Tensor | None = None
     last_index: torch.Tensor | None = None
     attention: str = "sdpa"
+
+    def stored_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
 
     def decode_step(self, model: torch.nn.Module, input_ids: torch.Tensor, start_pos: int) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not run decode steps (decodes_itself is False)")

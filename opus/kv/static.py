@@ -30,7 +30,9 @@ same padded prefill eagerly, with the reason in ``notes``.
 compiled graphs are kept per kernel. ``kv_dtype: bfloat16`` (or ``float16``, or ``int8`` with a
 scale per token and head: opus.kv.stored) keeps K and V narrower: a half or a quarter of the bytes a
 decode step keeps; the step's masked attention then runs as two matmuls
-(``opus.models.attention.narrow_kv_attention``), while a prompt attends to its own keys as computed. It is
+(``opus.models.attention.narrow_kv_attention``) over the values widened, except that int8 K/V of a float32
+model with head_dim 32, 64 or 128 is read as stored, bytes and scales, by ``opus.models.int8_kv`` (a C++ op;
+the widened path serves where it does not build). A prompt attends to its own keys as computed. It is
 lossy: kv_config measures its perplexity through the cache before it may race.
 
 ``w8a8_weight_only_rows: N`` traces the compiled steps with W8A8 layers running their weight-only kernel
@@ -56,7 +58,8 @@ from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kin
 from opus.kv.compiled_steps import Step, StepKey, Steps, compiled_once
 from opus.kv.step_kernels import PACKED_GEMM, WEIGHT_ONLY_ROWS, describe_packed, has_w8a8, packed_kernels, packed_reason
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
-from opus.models.attention import DOT, check_kernel
+from opus.models import int8_kv
+from opus.models.attention import DOT, INT8_STORED, check_kernel
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
@@ -115,13 +118,14 @@ class DecodeView(_Slots):
     One tensor per layer, not one for all layers: written in place through a view of a bigger
     buffer, the compiled step copied the whole cache each step (functionalization scatters the view
     back into its base); a whole graph input is updated in place. With int8 K/V the step's attention
-    is ``dot`` (opus.models.attention) over the widened slots.
+    is ``int8_stored`` where the cache chose it (attention reads the int8 bytes and their scales,
+    opus.models.int8_kv), else ``dot`` (opus.models.attention) over the widened slots.
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], key_pos: torch.Tensor,
                  positions: torch.Tensor, attention: str = "sdpa", scales: list[torch.Tensor] | None = None) -> None:
         self.k, self.v, self.scales = k, v, scales or []
-        self.attention = DOT if self.scales else attention
+        self.attention = (attention if attention == INT8_STORED else DOT) if self.scales else attention
         self.positions: torch.Tensor | None = positions
         # [T, S]: slot s is visible to the token at p iff s <= p.
         self.mask: torch.Tensor | None = key_pos[None, :] <= positions[:, None]
@@ -129,7 +133,14 @@ class DecodeView(_Slots):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.positions is not None
         self._store(layer, self.positions, k, v)
+        if self.attention == INT8_STORED:
+            return self.k[layer], self.v[layer]
         return self._read(layer)
+
+    def stored_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s K and V scales when attention reads the int8 bytes (``update`` returned them), else None."""
+        k_scales, v_scales = self._scales(layer)
+        return None if self.attention != INT8_STORED or k_scales is None or v_scales is None else (k_scales, v_scales)
 
 
 class PrefillView(_Slots):
@@ -175,6 +186,7 @@ class CompiledStaticKVCache(_Slots):
         self.compile_decode = compile_decode
         self.prefills_itself = compile_prefill
         self.attention = check_kernel(attention)
+        self.decode_attention = self.attention if not self.scales else decode_attention_over_int8(shape)
         self.weight_only_rows = w8a8_weight_only_rows
         self.packed = packed_kernels(w8a8_packed_gemm)  # phase -> kernel
         self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
@@ -225,8 +237,8 @@ class CompiledStaticKVCache(_Slots):
 
     def _run_step(self, model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         """The step itself, ``self.position`` already set (opus.kv.cuda_graph captures it instead)."""
-        step = (compiled_step(model, self.attention, self.step_settings("decode")) if self.compile_decode
-                else eager_step(model, self.attention))
+        step = (compiled_step(model, self.decode_attention, self.step_settings("decode")) if self.compile_decode
+                else eager_step(model, self.decode_attention))
         return step(input_ids, self.position, self.k, self.v, self.key_pos, self.scales)
 
     def step_settings(self, phase: str) -> StepKey:
@@ -245,6 +257,15 @@ class CompiledStaticKVCache(_Slots):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.scales))
+
+
+def decode_attention_over_int8(shape: CacheShape) -> str:
+    """How a decode step reads int8 K/V: their bytes (opus.models.int8_kv) where that op builds and takes the
+    model's dtype and head_dim, else widened (``dot``)."""
+    if (shape.dtype != torch.float32 or shape.head_dim not in int8_kv.HEAD_DIMS
+            or torch.device(shape.device).type != "cpu"):
+        return DOT
+    return INT8_STORED if int8_kv.load() is None else DOT
 
 
 def eager_step(model: nn.Module, attention: str = "sdpa") -> Step:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 KERNELS = ("sdpa", "blocked")
 DOT = "dot"  # a decode step over narrower or int8 K/V (set by the cache's view, not a user's option)
+INT8_STORED = "int8_stored"  # a decode step over int8 K/V as stored (opus.models.int8_kv; set by the cache's view)
 CAUSAL_BLOCK = 64
 
 

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.errors import EXIT_INVALID, OpusError
-from opus.models.attention import DOT, blocked_attention, narrow_kv_attention
+from opus.models import int8_kv
+from opus.models.attention import DOT, INT8_STORED, blocked_attention, narrow_kv_attention
 from opus.models.config import ModelConfig
 
 
@@ -145,6 +146,12 @@ def cache_attention(cache: object | None) -> str:
 
 
 @torch.fx.wrap
+def cache_scales(cache: object | None, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The per-slot scales of ``layer``'s int8 K and V when the cache hands attention its int8 bytes, else None."""
+    return None if cache is None else cache.stored_scales(layer)  # type: ignore[attr-defined]
+
+
+@torch.fx.wrap
 def last_position(h: torch.Tensor, cache: object | None) -> torch.Tensor:
     """``h [B, T, H]`` at its last position, or where a padded prefill's view says the last real token is."""
     index = None if cache is None else cache.last_index  # type: ignore[attr-defined]
@@ -175,11 +182,18 @@ def scale_embedding(h: torch.Tensor, scale: float) -> torch.Tensor:
 
 @torch.fx.wrap
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa: bool,
-           mask: torch.Tensor | None = None, kernel: str = "sdpa") -> torch.Tensor:
+           mask: torch.Tensor | None = None, kernel: str = "sdpa",
+           scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     # `causal` is True when nothing precedes the new tokens (no cache, or start_pos == 0).
     # Otherwise T new tokens attend causally among themselves and fully to the S - T cached ones;
     # a single decode token attends to everything, so it needs no mask — unless the cache returned
     # slots not written yet, and a mask (``[T, S]``, or ``[B, 1, T, S]`` per row; True = visible) with them.
+    # `scales`: k and v are a cache's int8 bytes (kernel INT8_STORED), read by opus.models.int8_kv where it
+    # takes the shape, else widened here.
+    if scales is not None:
+        if kernel == INT8_STORED and mask is not None and mask.dim() == 2 and int8_kv.unsupported(q, k) is None:
+            return int8_kv.attention(q, k, scales[0], v, scales[1], mask)
+        k, v = k.to(scales[0].dtype) * scales[0], v.to(scales[1].dtype) * scales[1]
     narrow = k.dtype != q.dtype  # a cache keeping K/V narrower (opus.kv.static kv_dtype)
     if (narrow or kernel == DOT) and mask is not None and mask.dim() == 2:
         return narrow_kv_attention(q, k, v, mask)
@@ -235,7 +249,8 @@ class Attention(nn.Module):
         k, v = cache_update(cache, self.layer_idx, k, v)
         if self.sliding_window is not None:
             k = window_guard(k, self.sliding_window)
-        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads, cache_mask(cache), cache_attention(cache))
+        out = attend(q, k, v, causal, self.num_kv_heads != self.num_heads, cache_mask(cache), cache_attention(cache),
+                     cache_scales(cache, self.layer_idx))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 

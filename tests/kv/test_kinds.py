@@ -106,6 +106,7 @@ def test_decoder_reads_the_hooks_without_probing() -> None:
     assert not [c for c in ast.walk(ast.parse(source)) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
                 and c.func.id == "getattr" and "cache" in ast.unparse(c)]
     assert GrowingKVCache().decodes_itself is False and CacheBase.mask is None and CacheBase.positions is None
+    assert GrowingKVCache().stored_scales(0) is None  # attention gets float K/V unless a cache says otherwise
 
 
 def test_cuda_graph_kind_runs_uncaptured_on_cpu_and_matches_the_growing_cache() -> None:

@@ -322,6 +322,37 @@ def test_an_int8_cache_keeps_a_quarter_of_the_bytes_and_close_logits(compiled, m
 
 
 @needs_cxx
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_int8_cache_hands_decode_attention_its_bytes_where_the_op_serves(compiled, monkeypatch):
+    """head_dim 32: the decode steps' attention reads the int8 K/V as stored (opus.models.int8_kv), never a
+    widened copy, and decodes what the widened path decodes; without the op, the widened path serves."""
+    from opus.models import decoder, int8_kv
+    from opus.models.attention import DOT, INT8_STORED
+
+    assert int8_kv.load() is None
+    model = tiny_lm("llama", head_dim=32)
+    ids = prompts(2, 20)
+    monkeypatch.setattr(compiled_steps, "NOTES", [])
+    config = cache_config(compiled, slot_multiple=16, kv_dtype="int8")
+    cache = cache_factory(model, config)(2, 32)
+    assert cache.decode_attention == INT8_STORED
+    real = decoder.narrow_kv_attention
+    monkeypatch.setattr(decoder, "narrow_kv_attention", lambda *a: pytest.fail("the widened path ran"))
+    with torch.profiler.profile() as prof:
+        got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
+    assert compiled_steps.NOTES == []
+    calls = sum(e.count for e in prof.key_averages() if "int8_decode" in e.key)
+    assert calls == 5 * 2 if not compiled else calls >= 5 * 2  # 5 steps, 2 layers (compiling runs some again)
+    monkeypatch.setattr(decoder, "narrow_kv_attention", real)
+    monkeypatch.setattr(int8_kv, "_STATE", {"reason": "OPUS_NATIVE_OPS=0"})
+    widened_cache = cache_factory(model, config)(2, 32)
+    assert widened_cache.decode_attention == DOT
+    want = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
+    assert torch.equal(got.tokens, want.tokens)
+    assert torch.allclose(got.logits, want.logits, atol=1e-4)
+
+
+@needs_cxx
 @torch.no_grad()
 def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured_with(monkeypatch):
     """``w8a8_weight_only_rows: 1``: a batch-2 decode step runs the int8 GEMM (as the eager model does
