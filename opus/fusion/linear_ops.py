@@ -211,6 +211,11 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     return torch.bmm(buf, weight.transpose(1, 2))[expert, slot]
 
 
+# A layer's experts merged for the dense mode are a second copy of their weights: only for small experts
+# (K3's gate/up: 0.75 MiB a layer), where a decode step's GEMM calls, not its bytes, are what it pays.
+MERGED_MAX_BYTES = 32 << 20
+
+
 class StackedQuantLinear(nn.Module):
     """E quantized linears of one class and options, the experts of one MoE layer: ``GroupedExperts``
     runs each expert's own kernels on its contiguous slice of expert-sorted rows (no grouped kernel
@@ -232,6 +237,20 @@ class StackedQuantLinear(nn.Module):
     def fmt(self) -> str:
         """The experts' format name (``QuantLinear.fmt``), for reasons and summaries."""
         return str(getattr(self.experts[0], "fmt", type(self.experts[0]).__name__))
+
+    def merged(self, max_bytes: int = MERGED_MAX_BYTES) -> nn.Module | None:
+        """All E experts as one layer of their class (outputs concatenated, expert by expert: exact), for
+        rows that every expert sees, or None where they do not concatenate or their tensors exceed
+        ``max_bytes``. A copy: its tensors are kept out of the state dict (derived, not saved)."""
+        if sum(t.numel() * t.element_size() for t in self.buffers()) > max_bytes:
+            return None
+        merged = concat_linears(list(self.experts))
+        if isinstance(merged, str):
+            return None
+        for name, tensor in list(merged.named_buffers(recurse=False)):
+            delattr(merged, name)
+            merged.register_buffer(name, tensor, persistent=False)
+        return merged
 
 
 def _stack_quantized(mods: list[nn.Module]) -> StackedQuantLinear | str:

@@ -24,7 +24,9 @@ Execution modes (``EXPERT_MODES``), each chosen per phase (``prefill``: several 
   not pick). At decode batch sizes nearly every expert is hit anyway, so the weight bytes read — what
   bounds a decode step — are those of sparse routing, and the block is one GEMM for gate/up over all
   experts (``[N, E·2I]``) and one batched down projection summed over experts. Static shapes: what
-  exporters, inductor and CUDA graphs run. Quantized experts: each expert's kernels on every token.
+  exporters, inductor and CUDA graphs run. Quantized experts: one gate/up call for all experts (their
+  layers concatenated, a derived copy kept out of the state dict; small experts only), then each
+  expert's down projection.
 * ``grouped``: ``torch._grouped_mm`` with device-side offsets (counts from ``scatter_add_``, not
   ``bincount``, which syncs on CUDA), results un-sorted by the permutation and each token's k slots
   summed in one reduction (no atomics: deterministic). No host sync, so capturable. Float experts
@@ -107,6 +109,8 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.top_k = gate_up, down, top_k
         self.num_experts = gate_up.num_experts
+        # The dense mode's gate/up for every expert in one call (every expert sees the same rows there).
+        self.gate_up_all = gate_up.merged() if isinstance(gate_up, StackedQuantLinear) else None
         self.handle = next(_HANDLES)  # how opus::sorted_experts finds these experts
         _EXPERTS[self.handle] = self
 
@@ -182,8 +186,11 @@ class GroupedExperts(nn.Module):
         n, e = x.shape[0], self.num_experts
         routing = torch.zeros(n, e, dtype=x.dtype, device=x.device).scatter(1, chosen, weights)  # [N, E]
         if isinstance(self.gate_up, StackedQuantLinear):
-            y = torch.stack([down(swiglu(gate_up(x))) for gate_up, down in zip(self.gate_up.experts,
-                                                                               self.down.experts)])
+            if self.gate_up_all is not None:  # one GEMM for every expert's gate/up, split per expert
+                gate_ups = self.gate_up_all(x).chunk(e, dim=-1)
+            else:
+                gate_ups = tuple(gate_up(x) for gate_up in self.gate_up.experts)
+            y = torch.stack([down(swiglu(gate_up)) for gate_up, down in zip(gate_ups, self.down.experts)])
             return (routing.t().unsqueeze(-1) * y).sum(0)
         w13, w2 = self.gate_up.weight, self.down.weight  # [E, 2I, H], [E, H, I]
         inter = w2.shape[-1]

@@ -66,6 +66,34 @@ def _w8a8_moe(fmt: str = "w8a8") -> GroupedMoE:
     return grouped
 
 
+@pytest.mark.parametrize("fmt", ["w8a8", "w8a16"])
+def test_the_dense_mode_runs_every_quantized_experts_gate_up_in_one_call(fmt: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense: every expert sees every row, so their gate/up layers run as one concatenated layer: the same
+    sums as one call per expert, bit for bit, at decode and prefill sizes; the copy is not in the state dict."""
+    from opus.fusion import linear_ops
+
+    moe = _w8a8_moe(fmt)
+    merged = moe.experts.gate_up_all
+    assert merged is not None and merged.out_features == moe.experts.num_experts * moe.experts.gate_up.out_features
+    assert not [name for name in moe.state_dict() if "gate_up_all" in name]
+    calls: list[int] = []
+    for expert in moe.experts.gate_up.experts:
+        monkeypatch.setattr(expert, "forward", lambda x, real=expert.forward: calls.append(1) or real(x))
+    for rows in (32, 5):
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            together = moe(x, "dense")
+            assert calls == []  # the experts' own gate/up layers did not run
+            moe.experts.gate_up_all = None
+            apart = moe(x, "dense")
+            moe.experts.gate_up_all = merged
+        assert len(calls) == moe.experts.num_experts and torch.equal(together, apart)
+        calls.clear()
+    monkeypatch.setattr(linear_ops, "MERGED_MAX_BYTES", 1024)
+    assert moe.experts.gate_up.merged(linear_ops.MERGED_MAX_BYTES) is None  # bigger experts: no second copy
+
+
 def test_compiled_mode_runs_quantized_experts_as_the_sorted_mode_does() -> None:
     """W8A8 experts in one compiled function per expert: the same sums as the sorted mode, whatever the
     slice sizes (a slice of a few rows runs the layer's own weight-only branch in both)."""
