@@ -180,14 +180,23 @@ def test_a_lossy_cache_races_only_within_its_perplexity_limit(tmp_path, monkeypa
     [figures] = report["kv_fidelity"].values()
     assert abs(figures["increase"]) < 0.005 and figures["text"] in ("evaluation text", "random token ids")
 
-    real = fidelity.ppl_through_cache  # a cache made 3 % worse: refused, with the figure, before any race
-    monkeypatch.setattr(fidelity, "ppl_through_cache",
-                        lambda m, b, c: real(m, b, c) * (1.03 if c and c.get("kv_dtype") else 1.0))
-    result = kv_config.run(context(pipeline, tmp_path / "b", "kv"), kv_config.Config(**narrow))
+    real, lossy_runs = fidelity.ppl_through_cache, []  # a cache made 3 % worse: refused before any race
+
+    def worse(m, b, c):
+        lossy_runs.extend([c] if c and c.get("kv_dtype") else [])
+        return real(m, b, c) * (1.03 if c and c.get("kv_dtype") else 1.0)
+
+    monkeypatch.setattr(fidelity, "ppl_through_cache", worse)
+    two_kernels = {**narrow, "static_attention": ["sdpa", "blocked"]}  # two bf16 caches, one dtype
+    result = kv_config.run(context(pipeline, tmp_path / "b", "kv"), kv_config.Config(**two_kernels))
     report = json.loads((tmp_path / "b" / "artifacts" / "kv_config.json").read_text())
     assert all("kv_dtype" not in c["cache"] for c in report["candidates"])
-    [refused] = [u for u in report["unavailable"] if "kv_dtype" in u["cache"]]
-    assert "beyond max_kv_ppl_increase 0.500%" in refused["skipped"]
+    refused = [u for u in report["unavailable"] if "kv_dtype" in u["cache"]]
+    assert len(refused) == 2 and all("beyond max_kv_ppl_increase 0.500%" in r["skipped"] for r in refused)
+    # Measured once for the dtype, through eager steps (no graph compiled for it), the figure shared.
+    assert len(lossy_runs) == 1 and lossy_runs[0]["compile"] is False
+    first, second = report["kv_fidelity"].values()
+    assert first == second and "compile False" in first["measured_with"]
     assert result.metrics["kv_ppl_increase"] == 0.0  # nothing chosen keeps K/V narrower
 
 
