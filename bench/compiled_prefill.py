@@ -23,7 +23,9 @@ also compiles):
   weight unpacked on every call): what packing the weights is worth on this CPU;
 - ``… oneDNN prefill, FBGEMM decode``: oneDNN's packed kernel at prefill and FBGEMM's at decode, with
   ``w8a8_weight_only_rows: 0`` (int8 activations from one row, so one sequence's decode runs FBGEMM's
-  int8 GEMV instead of the weight-only kernel).
+  int8 GEMV instead of the weight-only kernel);
+- ``… int8 K/V, packed at prefill``: the blocked contender with int8 K/V (read as stored by
+  opus.models.int8_kv) and oneDNN's packed kernel at prefill.
 
 ``--skip N`` leaves contender N out (0 is the baseline and stays; repeatable).
 
@@ -73,7 +75,8 @@ from opus.runtime.machine import describe, recorded  # noqa: E402
 
 CONTENDERS = ("fp32 eager", "static, compiled decode", "static, compiled prefill and decode",
               "… blocked attention", "… and bf16 K/V", "… and int8 K/V", "… int8 GEMMs from 2 rows",
-              "… packed at prefill", "… packed at both", "… oneDNN prefill, FBGEMM decode")
+              "… packed at prefill", "… packed at both", "… oneDNN prefill, FBGEMM decode",
+              "… int8 K/V, packed at prefill")
 LOSSY = {CONTENDERS[4]: "bf16", CONTENDERS[5]: "int8"}
 
 
@@ -154,6 +157,9 @@ def main() -> None:
     caches.update({CONTENDERS[6 + index]: static.cache_config(True, compile_prefill=True, attention="blocked",
                                                             w8a8_weight_only_rows=1, w8a8_packed_gemm=where)
                    for index, where in ((1, "prefill"), (2, "both")) if ONEDNN.available() is None})
+    if ONEDNN.available() is None:  # what K3's kv_config kept at batch 32 on 2026-12-06
+        caches[CONTENDERS[10]] = static.cache_config(True, compile_prefill=True, attention="blocked",
+                                                     kv_dtype="int8", w8a8_packed_gemm="prefill")
     if ONEDNN.available() is None and FBGEMM.available() is None:  # int8 activations from one row: FBGEMM's GEMV
         caches[CONTENDERS[9]] = static.cache_config(True, compile_prefill=True, attention="blocked",
                                                     w8a8_weight_only_rows=0,
