@@ -7,7 +7,8 @@ sequence and KV head its query group's scores over the visible slots (16 slots a
 registers, the scale applied to the sum), a softmax, and the values weighted by probability times scale.
 
 The source is compiled three times, for AVX-512, for AVX2 with FMA and for plain x86-64, and the CPU picks one
-when the library loads (GCC's vector extensions, so one text serves all three). Built once per machine and torch
+when the library loads (GCC's vector extensions, so one text serves all three; only the int8 widening is
+written per build, in intrinsics). Built once per machine and torch
 (opus.cpp_build); where it does not build, or for a shape it does not take (head_dim not 32, 64 or 128, a query
 group over 16 heads, a dtype other than float32), ``opus.models.attention.narrow_kv_attention`` runs over the
 widened values, as before.
