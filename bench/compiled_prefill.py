@@ -119,6 +119,17 @@ def figures(results: list[Any], batch: int, new_tokens: int) -> dict[str, float]
             "p_tok_s": statistics.median(batch * new_tokens / r.total_s for r in results)}
 
 
+def model_and_calibration(model: str, calib: str, prog: str) -> tuple[torch.nn.Module, Any, torch.Tensor]:
+    """The model, its tokenizer and 16 calibration blocks of 256 tokens; a wrong path or an unreadable model
+    or text (both given on the command line) is one line on stderr, as the CLI says bad input, and exit 2."""
+    try:
+        base, tokenizer = load_model({"hf": model}, ROOT)
+        return base, tokenizer, load_blocks(TextSetSpec(files=[calib], samples=16, seq_len=256), tokenizer, ROOT)
+    except OpusError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/k3/model")
@@ -135,12 +146,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
-    try:
-        base, tokenizer = load_model({"hf": args.model}, ROOT)
-    except OpusError as exc:  # a wrong path or an unreadable model: one line, as the CLI says it
-        print(f"compiled_prefill: {exc}", file=sys.stderr)
-        raise SystemExit(exc.exit_code) from None
-    calib = load_blocks(TextSetSpec(files=[args.calib], samples=16, seq_len=256), tokenizer, ROOT)
+    base, tokenizer, calib = model_and_calibration(args.model, args.calib, "compiled_prefill")
     prompts = load_blocks(TextSetSpec(files=[args.eval], samples=args.batch, seq_len=args.input_len), tokenizer,
                           ROOT)
     model = optimized(base, calib, args.format, args.prefill_experts)

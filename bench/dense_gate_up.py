@@ -27,14 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from compiled_prefill import optimized  # noqa: E402
+from compiled_prefill import model_and_calibration, optimized  # noqa: E402
 
 from opus.fusion.moe import grouped_moes  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
-from opus.models import load_model  # noqa: E402
-from opus.pipeline.spec import TextSetSpec  # noqa: E402
-from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
 
 
@@ -63,13 +60,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--kv-dtype", default="int8", choices=["none", "bfloat16", "int8"])
     args = parser.parse_args()
-    base, tokenizer = load_model({"hf": args.model}, ROOT)
-    calib = load_blocks(TextSetSpec(files=[args.calib], samples=16, seq_len=256), tokenizer, ROOT)
+    base, _, calib = model_and_calibration(args.model, args.calib, "dense_gate_up")
     merged = optimized(base, calib, args.format, "compiled")
     apart = copy.deepcopy(merged)
     layers = grouped_moes(apart)
     if not layers or all(moe.experts.gate_up_all is None for _, moe in layers):
-        sys.exit(f"{args.model}: no MoE layer whose quantized experts' gate/up merged ({args.format})")
+        print(f"dense_gate_up: {args.model}: no MoE layer whose quantized experts' gate/up merged ({args.format})",
+              file=sys.stderr)
+        raise SystemExit(2)
     for _, moe in layers:
         moe.experts.gate_up_all = None
     prompts = calib[:1].repeat(args.batch, -(-args.input_len // calib.shape[1]))[:, :args.input_len]

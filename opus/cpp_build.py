@@ -3,7 +3,7 @@
 g++ and ninja (as inductor's C++ backend needs) build a source (which includes the torch headers it needs,
 not all of torch's C++ API) into a shared library cached under ``~/.cache/torch_extensions`` and load it
 into the process; its ``TORCH_LIBRARY`` blocks register the ops.
-A first build takes ~25-30 s, so a line on stderr says what is built before and how long it took after;
+A first build takes 10-30 s, so a line on stderr says what is built before and how long it took after;
 a cached build loads silently. ``OPUS_NATIVE_OPS=0`` builds nothing. Whoever calls ``build`` keeps a
 Python path for when it returns a reason (no compiler, a failed build).
 """

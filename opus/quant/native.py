@@ -9,10 +9,10 @@ compiled graph (``bench/packed_calls.py``, Intel Xeon with AMX, 2 threads), a ca
 (53.8 and 39.8 with oneDNN); K3's expert at prefill (512 x 256 by 384, oneDNN) 88.2 and 82.6 µs.
 
 The kernels are built once per machine and torch (opus.cpp_build) when a packed kernel is first put to use,
-and serve those ops for the rest of the process (the Python kernels
-are registered only where the build fails). Twins stay owned by the Python table (``PackedKernel.twins``): the
-C++ table holds a reference, dropped when the weight goes. A weight the C++ table does not know yet (the first
-call) is packed through ``opus::<kernel>_pack``, the Python packing, once. Where the build fails the Python
+and serve those ops for the rest of the process (the Python kernels are registered only where the build
+fails). Twins stay owned by the Python table (``PackedKernel.twins``): the C++ table holds a reference,
+dropped when the weight goes. A weight the C++ table does not know yet (the first call) is packed through
+``opus::<kernel>_pack``, the Python packing, once. Where the build fails the Python
 kernels stay, and ``load()`` says why, once.
 """
 

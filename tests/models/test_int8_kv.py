@@ -6,18 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opus.bench.torch_contenders import find_cxx
 from opus.models import int8_kv
 from opus.models.attention import narrow_kv_attention
+from tests.native_kit import built_or_skip
 
 
 @pytest.fixture(scope="module")
 def built() -> None:
-    if find_cxx() is None:
-        pytest.skip("the op is built with a C++ compiler; none found")
-    reason = int8_kv.load()
-    if reason is not None:
-        pytest.fail(f"a compiler is here, yet {reason}")
+    built_or_skip(int8_kv.load, "the int8 K/V attention op")
 
 
 def stored(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

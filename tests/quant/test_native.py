@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from opus import cpp_build
-from opus.bench.torch_contenders import find_cxx
 from opus.quant import native, packed
 from opus.quant.fbgemm import FBGEMM
 from opus.quant.onednn import ONEDNN
+from tests.native_kit import built_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = [pytest.param(kernel, id=kernel.name,
@@ -26,11 +26,7 @@ KERNELS = [pytest.param(kernel, id=kernel.name,
 
 @pytest.fixture
 def built() -> None:
-    if find_cxx() is None:
-        pytest.skip("the C++ kernels are built with a C++ compiler; none found")
-    reason = native.load()
-    if reason is not None:
-        pytest.fail(f"a compiler is here, yet {reason}")
+    built_or_skip(native.load, "the C++ kernels")
 
 
 @pytest.mark.usefixtures("built")
