@@ -80,7 +80,8 @@ class Config(BaseModel):
     include_growing: bool = True  # measure the growing cache too (and keep it if it wins)
     include_static: bool = True  # and the static cache with compiled decode steps (Opus decoders)
     # And that cache with its prefill compiled too (padded to buckets): off by default, since each prompt
-    # bucket compiles a graph of the whole model (about a minute on K3) and on K3 it has not yet won.
+    # bucket compiles a graph of the whole model (about a minute on K3); on K3 it has won at both batch
+    # sizes since int8 K/V (pipelines/k3.yaml turns it on). The plan stage's end-to-end check follows it.
     include_static_prefill: bool = False
     static_slot_multiple: int = Field(128, gt=0)  # its slots: request length rounded up to this
     # Its attention kernels, each a candidate of its own: torch's SDPA, and Opus's blocked kernel

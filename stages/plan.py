@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -79,9 +80,10 @@ class Config(BaseModel):
     runtime: Literal["auto", "compiled", "eager"] = Field(
         "auto", description="how the model will run, which the kernel timings and the end-to-end check follow: "
         "compiled = fused (every fusion pattern, MoE experts compiled at prefill) with compiled steps in the "
-        "static KV cache, as the fuse and kv_config stages can run it (kernels are timed eagerly and through "
-        "inductor, each keeping the faster); eager = unfused, growing cache; auto = compiled where the static "
-        "cache can run the model (an Opus decoder), else eager")
+        "static KV cache, as the fuse and kv_config stages can run it, the prefill compiled too where a kv_config "
+        "stage of the pipeline may keep that (include_static_prefill; in its attention kernel) (kernels are timed "
+        "eagerly and through inductor, each keeping the faster); eager = unfused, growing cache; auto = compiled "
+        "where the static cache can run the model (an Opus decoder), else eager")
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     sensitivity: Sensitivity = Field(default_factory=Sensitivity)
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
@@ -113,22 +115,45 @@ def preflight(cfg: Config, spec: Any) -> list[tuple[tuple[str, ...], str]]:
     return problems
 
 
-def _runtime_request(model: Any, runtime: str) -> dict[str, Any]:
+def _runtime_request(model: Any, runtime: str, spec: Any) -> dict[str, Any]:
     """The runtime the plan is made for, as PlanRequest takes it: how the end-to-end check readies a
     contender and its name, and whether kernels are timed compiled too."""
     try:
         used, why = check_runtime(model, runtime)
     except ValueError as exc:
         raise InputError(str(exc), key="runtime") from None
-    compiled = used == "compiled"
-    return {"check_prepare": fused_and_compiled if compiled else None, "check_runtime": why,
-            "compiled_kernels": compiled}
+    if used != "compiled":
+        return {"check_prepare": None, "check_runtime": why, "compiled_kernels": False}
+    attention = _compiled_prefill_attention(spec)
+    if attention is None:
+        return {"check_prepare": fused_and_compiled, "check_runtime": why, "compiled_kernels": True}
+    return {"check_prepare": functools.partial(fused_and_compiled, compile_prefill=True, attention=attention),
+            "check_runtime": f"{why}, prefill compiled ({attention} attention)", "compiled_kernels": True}
+
+
+def _compiled_prefill_attention(spec: Any) -> str | None:
+    """The attention kernel of the compiled prefill when a kv_config stage of this pipeline may keep one
+    (``include_static_prefill``), else None. The check times the contenders as they may run: an eager
+    prefill quantizes W8A8's activations in several passes that a compiled one fuses, so with the prefill
+    left eager the formats' prefill speeds tie (K3, 2026-12-06) and the float experts are kept."""
+    from stages.kv_config import Config as KVConfig
+
+    for stage in spec.stages:
+        if stage.uses not in ("kv_config", "stages.kv_config"):
+            continue
+        try:
+            kv = KVConfig.model_validate(stage.with_)
+        except ValueError:  # that stage's own check reports it, by its key
+            continue
+        if kv.include_static_prefill:
+            return "blocked" if "blocked" in kv.static_attention else "sdpa"
+    return None
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     loaded = ctx.load_model()
     model = loaded.model
-    runtime = _runtime_request(model, cfg.runtime)  # a model that cannot run compiled fails before any work
+    runtime = _runtime_request(model, cfg.runtime, ctx.spec)  # a model that cannot run compiled fails before any work
     text_set = ctx.spec.data.calibration or ctx.spec.data.evaluation
     if text_set is None:
         raise InputError("the plan stage needs data.calibration (or data.evaluation) text")

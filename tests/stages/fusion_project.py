@@ -11,8 +11,12 @@ import yaml
 KIT = Path(__file__).resolve().parents[1] / "fusion" / "fusion_kit.py"
 sys.path.insert(0, str(KIT.parent))
 
+from fusion_kit import prompts, tiny_lm  # noqa: E402  (re-exported: the model the project's factory makes)
+
 from opus.pipeline.context import StageContext  # noqa: E402
 from opus.pipeline.spec import load_pipeline  # noqa: E402
+
+__all__ = ["context", "make_project", "prompts", "tiny_lm"]
 
 
 def make_project(root: Path, stages: list[dict[str, Any]], family: str = "mixtral",
