@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.quant.speed import MERGED_EXPERTS_MAX_BYTES
+
 if TYPE_CHECKING:
     from opus.quant.modules import Kernel
 
@@ -211,9 +213,9 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     return torch.bmm(buf, weight.transpose(1, 2))[expert, slot]
 
 
-# A layer's experts merged for the dense mode are a second copy of their weights: only for small experts
-# (K3's gate/up: 0.75 MiB a layer), where a decode step's GEMM calls, not its bytes, are what it pays.
-MERGED_MAX_BYTES = 32 << 20
+# A layer's experts merged for the dense mode are a second copy of their weights: only for small experts.
+# The planner times the merged GEMM up to the same size (opus.quant.speed).
+MERGED_MAX_BYTES = MERGED_EXPERTS_MAX_BYTES
 
 
 class StackedQuantLinear(nn.Module):

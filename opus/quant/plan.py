@@ -125,7 +125,8 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
         timeable = _timeable(group, linears, force, formats, scores.get(group.name, {}), request.group_size, notes)
         samples = (request.timings or {}).get(group.name)
         if samples is None or set(samples) != set(timeable):
-            samples = group_rounds_ms(timer, timeable, group.modules, linears, group.role, workload, experts, top_k)
+            samples = group_rounds_ms(timer, timeable, group.modules, linears, group.role, workload, experts, top_k,
+                                      dense_decode=request.compiled_kernels)
             if request.timings is not None:
                 request.timings[group.name] = samples
         choice, decision = _group_choice(group, linears, force, samples, scores.get(group.name, {}),

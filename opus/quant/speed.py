@@ -12,12 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.models.layout import DECODER, format_group
 from opus.quant.formats import FORMATS
 from opus.runtime.choose import DEFAULT_ROUNDS, Option, interleave, reported, wall_clock
 
 MAX_ROWS = 2048  # larger row counts are timed at this size and scaled: GEMM time is linear in rows
 COLD_BYTES = 32 << 20  # float weight bytes cycled through per timing: more than the CPU's caches
 COLD_COPIES_MAX = 64
+# A MoE layer's experts' gate/up are merged into one GEMM for the dense mode (opus.fusion.linear_ops) up to
+# this many weight bytes: a second copy of the weights, worth it for small experts, whose decode step pays
+# for GEMM calls rather than bytes (K3's gate/up: 0.75 MiB a layer).
+MERGED_EXPERTS_MAX_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -111,13 +116,16 @@ class KernelTimer:
         return {fmt: self.cache[(fmt, shape)] for fmt in formats}
 
 
-def workload_rows(role: str, workload: Any, experts: int, top_k: int) -> tuple[int, int]:
-    """Rows a layer sees in one prefill and in one decode step of the workload."""
+def workload_rows(role: str, workload: Any, experts: int, top_k: int, dense_decode: bool = False) -> tuple[int, int]:
+    """Rows a layer sees in one prefill and in one decode step of the workload. An expert sees its share
+    of the routed rows, except in ``dense_decode``: the dense mode a compiled decode step runs a MoE in
+    (static shapes) gives every expert every row."""
     prefill, decode = workload.batch_size * workload.input_len, workload.batch_size
     if role == "lm_head":  # the engine takes logits of the last prompt position only
         prefill = workload.batch_size
     if role == "experts" and experts:
-        prefill, decode = max(1, prefill * top_k // experts), max(1, decode * top_k // experts)
+        prefill = max(1, prefill * top_k // experts)
+        decode = decode if dense_decode else max(1, decode * top_k // experts)
     return prefill, decode
 
 
@@ -136,16 +144,30 @@ def merged_shapes(names: list[str], linears: list[nn.Linear]) -> list[tuple[int,
     return shapes
 
 
+def decode_shapes(names: list[str], linears: list[nn.Linear], role: str, dense_decode: bool) -> list[tuple[int, int]]:
+    """(in, out) of the GEMMs a decode step runs for the group: ``merged_shapes``, except that in
+    ``dense_decode`` a layer's experts' gate/up all read the same rows and run as one GEMM, where their
+    int8 weights fit MERGED_EXPERTS_MAX_BYTES (the dense mode: opus.fusion.moe)."""
+    shapes = merged_shapes(names, linears)
+    if not (dense_decode and role == "experts" and format_group(names[0]).endswith(f".{DECODER.gate_up_group}")):
+        return shapes
+    merged = (shapes[0][0], sum(out for _, out in shapes))
+    fits = len({i for i, _ in shapes}) == 1 and merged[0] * merged[1] <= MERGED_EXPERTS_MAX_BYTES
+    return [merged] if fits else shapes
+
+
 def group_rounds_ms(timer: KernelTimer, formats: list[str], names: list[str], linears: list[nn.Linear], role: str,
-                    workload: Any, experts: int, top_k: int) -> dict[str, list[float]]:
+                    workload: Any, experts: int, top_k: int, dense_decode: bool = False) -> dict[str, list[float]]:
     """Per format, ``timer.rounds`` figures of the group's GEMM time over the workload (one prefill
-    plus output_len decode steps). Each shape's rounds are sorted before they are added up, so that
-    the group's median (and quartiles) is the sum of its shapes' medians (quartiles): a round in which
-    one shape was slowed does not carry over to the others."""
-    prefill_rows, decode_rows = workload_rows(role, workload, experts, top_k)
+    plus output_len decode steps; ``dense_decode``: the steps run compiled, a MoE's experts dense). Each
+    shape's rounds are sorted before they are added up, so that the group's median (and quartiles) is
+    the sum of its shapes' medians (quartiles): a round in which one shape was slowed does not carry over
+    to the others."""
+    prefill_rows, decode_rows = workload_rows(role, workload, experts, top_k, dense_decode)
+    gemms = [(dims, prefill_rows, 1) for dims in merged_shapes(names, linears)]
+    gemms += [(dims, decode_rows, workload.output_len) for dims in decode_shapes(names, linears, role, dense_decode)]
     totals = {fmt: [0.0] * timer.rounds for fmt in formats}
-    for dims in merged_shapes(names, linears):
-        for rows, weight in ((prefill_rows, 1), (decode_rows, workload.output_len)):
-            for fmt, taken in timer(formats, Shape(*dims, rows)).items():
-                totals[fmt] = [t + weight * s for t, s in zip(totals[fmt], sorted(taken))]
+    for dims, rows, weight in gemms:
+        for fmt, taken in timer(formats, Shape(*dims, rows)).items():
+            totals[fmt] = [t + weight * s for t, s in zip(totals[fmt], sorted(taken))]
     return totals
