@@ -158,10 +158,14 @@ _GATE_UP_RE = re.compile(rf"^(?P<mlp>.*\.(?:{_alt(_D.mlp, _D.shared_expert)}))\.
 ROUTER_PATTERNS = [f"*.{_D.mlp}.{_D.router}", f"*{_D.shared_expert_gate}"]
 
 
-def format_group(name: str) -> str:
+def format_group(name: str, whole_experts: bool = False) -> str:
     """The format group of a linear: ``<attn>.qkv``, ``<mlp>.gate_up`` (dense or shared expert),
-    ``<mlp>.experts.gate_up`` / ``<mlp>.experts.down_proj`` (all experts of a layer), else itself."""
+    ``<mlp>.experts.gate_up`` / ``<mlp>.experts.down_proj`` (all experts of a layer), else itself.
+    ``whole_experts``: a layer's experts are one group, ``<mlp>.experts`` (the fuse stage groups a MoE's
+    experts only where gate/up and down share a format)."""
     if match := _EXPERT_RE.match(name):
+        if whole_experts:
+            return f"{match['layer']}.{_D.experts}"
         proj = _D.gate_up_group if match["proj"] in _D.gate_up else match["proj"]
         return f"{match['layer']}.{_D.experts}.{proj}"
     if match := _QKV_RE.match(name):

@@ -33,8 +33,8 @@ def tied_to_embedding(model: nn.Module, name: str) -> bool:
 
 
 def build_groups(model: nn.Module, include: list[str], exclude: list[str], *,
-                 tied: bool = False) -> list[QGroup]:
-    """All nn.Linear layers selected by the globs, grouped.
+                 tied: bool = False, whole_experts: bool = False) -> list[QGroup]:
+    """All nn.Linear layers selected by the globs, grouped (``whole_experts``: opus.models.layout.format_group).
 
     A linear tied to the embedding (a tied lm_head) is a group only with ``tied``: quantizing it gives
     the head its own packed copy while the embedding keeps the float table (the lookup needs it), so it
@@ -49,7 +49,7 @@ def build_groups(model: nn.Module, include: list[str], exclude: list[str], *,
             continue
         if not tied and tied_to_embedding(model, name):
             continue
-        key = format_group(name)
+        key = format_group(name, whole_experts)
         groups.setdefault(key, QGroup(key, role=roles[name])).modules.append(name)
     return list(groups.values())
 

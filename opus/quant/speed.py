@@ -130,30 +130,41 @@ def workload_rows(role: str, workload: Any, experts: int, top_k: int, dense_deco
 
 
 def merged_shapes(names: list[str], linears: list[nn.Linear]) -> list[tuple[int, int]]:
-    """(in, out) of the GEMMs that will run: layers under one parent that read one input (q/k/v,
-    an expert's gate/up) are merged by the fuse stage into one GEMM with one activation quantization."""
-    by_parent: dict[str, list[nn.Linear]] = {}
+    """(in, out) of the GEMMs that will run: layers under one parent in one format group that read one input
+    (q/k/v, an expert's gate/up) are merged by the fuse stage into one GEMM with one activation quantization."""
+    return [shape for _, shape in _gemms(names, linears)]
+
+
+def _gemms(names: list[str], linears: list[nn.Linear]) -> list[tuple[str, tuple[int, int]]]:
+    """``merged_shapes`` with each GEMM's format group (opus.models.layout.format_group)."""
+    by_parent: dict[tuple[str, str], list[nn.Linear]] = {}
     for name, linear in zip(names, linears):
-        by_parent.setdefault(name.rpartition(".")[0], []).append(linear)
-    shapes = []
-    for members in by_parent.values():
+        parent, group = name.rpartition(".")[0], format_group(name)
+        # A name outside Opus's decoder layout has no group of its own (format_group returns it): by parent.
+        by_parent.setdefault((parent, parent if group == name else group), []).append(linear)
+    gemms = []
+    for (_, group), members in by_parent.items():
         if len({m.in_features for m in members}) == 1:
-            shapes.append((members[0].in_features, sum(m.out_features for m in members)))
+            gemms.append((group, (members[0].in_features, sum(m.out_features for m in members))))
         else:
-            shapes.extend((m.in_features, m.out_features) for m in members)
-    return shapes
+            gemms.extend((group, (m.in_features, m.out_features)) for m in members)
+    return gemms
 
 
 def decode_shapes(names: list[str], linears: list[nn.Linear], role: str, dense_decode: bool) -> list[tuple[int, int]]:
     """(in, out) of the GEMMs a decode step runs for the group: ``merged_shapes``, except that in
     ``dense_decode`` a layer's experts' gate/up all read the same rows and run as one GEMM, where their
     int8 weights fit MERGED_EXPERTS_MAX_BYTES (the dense mode: opus.fusion.moe)."""
-    shapes = merged_shapes(names, linears)
-    if not (dense_decode and role == "experts" and format_group(names[0]).endswith(f".{DECODER.gate_up_group}")):
-        return shapes
-    merged = (shapes[0][0], sum(out for _, out in shapes))
-    fits = len({i for i, _ in shapes}) == 1 and merged[0] * merged[1] <= MERGED_EXPERTS_MAX_BYTES
-    return [merged] if fits else shapes
+    gemms = _gemms(names, linears)
+    if not (dense_decode and role == "experts"):
+        return [shape for _, shape in gemms]
+    gate_up = [shape for group, shape in gemms if group.endswith(f".{DECODER.gate_up_group}")]
+    rest = [shape for group, shape in gemms if not group.endswith(f".{DECODER.gate_up_group}")]
+    if not gate_up:
+        return rest
+    merged = (gate_up[0][0], sum(out for _, out in gate_up))
+    fits = len({i for i, _ in gate_up}) == 1 and merged[0] * merged[1] <= MERGED_EXPERTS_MAX_BYTES
+    return ([merged] if fits else gate_up) + rest
 
 
 def group_rounds_ms(timer: KernelTimer, formats: list[str], names: list[str], linears: list[nn.Linear], role: str,

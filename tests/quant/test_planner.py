@@ -291,3 +291,34 @@ def test_sensitivity_progress_reaches_its_total_when_a_format_cannot_take_a_laye
                                  progress=lambda done, total, _: seen.append((done, total)))
     assert all("w4a16" not in by_fmt for by_fmt in scores.values()) and scores
     assert seen[-1] == (4, 4)
+
+
+def test_a_compiled_runtime_plans_a_layers_experts_as_one_group() -> None:
+    """Fused, a MoE layer's experts are grouped (and run fast) only where gate/up and down share a format,
+    so a plan for the compiled runtime gives them one: one group per layer, timed as the GEMMs it runs."""
+    from opus.quant.speed import decode_shapes, merged_shapes
+
+    model = tiny_decoder("mixtral", outlier=20.0)
+    apart = {g.name for g in build_groups(model, [], [])}
+    assert {"model.layers.0.mlp.experts.gate_up", "model.layers.0.mlp.experts.down_proj"} <= apart
+    whole = {g.name: g for g in build_groups(model, [], [], whole_experts=True)}
+    experts = whole["model.layers.0.mlp.experts"]
+    assert experts.role == "experts" and not any(".experts." in name for name in whole)
+    linears = [model.get_submodule(n) for n in experts.modules]
+    count = len(model.model.layers[0].mlp.experts)
+    hidden, inter = linears[0].in_features, linears[0].out_features
+    assert len(experts.modules) == 3 * count
+    # Per expert: gate/up merged, down alone; a dense decode step: every expert's gate/up in one GEMM.
+    assert sorted(merged_shapes(experts.modules, linears)) == sorted([(hidden, 2 * inter), (inter, hidden)] * count)
+    assert sorted(decode_shapes(experts.modules, linears, "experts", True)) == sorted(
+        [(hidden, 2 * inter * count)] + [(inter, hidden)] * count)
+    data = blocks(4, 32)
+    request = PlanRequest(["w8a8", "w8a16"], force={"*.mlp.gate": "fp32"}, budget_value=0.05, validate=False,
+                          compiled_kernels=True)
+    doc, _ = make_plan(model, data, collect_stats(model, data), request,
+                       WorkloadSpec(batch_size=2, input_len=16, output_len=4))
+    planned = {g["name"]: g["format"] for g in doc["groups"]}
+    assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= set(planned)
+    formats = assignment_from_plan(doc)
+    for layer in (0, 1):  # whatever it chose, one format for all of a layer's experts
+        assert len({f for m, f in formats.items() if m.startswith(f"model.layers.{layer}.mlp.experts.")}) == 1
