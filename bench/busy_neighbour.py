@@ -34,7 +34,10 @@ sys.path.insert(0, str(ROOT))
 from opus.runtime.machine import describe  # noqa: E402
 
 KEYS = {"throughput_tok_s": "P", "ttft_ms": "D"}
-SPIN = "import os, sys; os.nice(int(sys.argv[1]))\nwhile True: pass"  # a core's worth of work, little memory
+# A core's worth of work touching little memory. Ctrl-C reaches it too (the same process group, so a closed
+# terminal ends it as well); it ignores that and is killed by this script instead, without a traceback.
+SPIN = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.nice(int(sys.argv[1]))\n"
+        "while True: pass")
 
 
 def run_pipeline(pipeline: Path, run_dir: Path, decisions_from: Path | None, overrides: list[str]) -> dict[str, Any]:
