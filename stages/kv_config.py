@@ -284,10 +284,11 @@ def _faithful(ctx: StageContext, model: Any, tokenizer: Any, candidates: list[di
             measured = cache_config(False, int(cache.get("slot_multiple", DEFAULT_SLOT_MULTIPLE)),
                                     kv_dtype=cache["kv_dtype"])
             ppl = ppl_through_cache(model, blocks, measured)
-            by_dtype[cache["kv_dtype"]] = {"ppl": ppl, "reference_ppl": reference, "increase": ppl / reference - 1,
+            change = ppl / reference - 1
+            by_dtype[cache["kv_dtype"]] = {"ppl": ppl, "reference_ppl": reference, "increase": change,
                                            "text": source, "measured_with": _label(measured)}
             ctx.log(f"KV cache {_label(measured)}: perplexity through the cache {ppl:.4f} against "
-                    f"{reference:.4f} (growing cache, {source}): {ppl / reference - 1:+.3%}")
+                    f"{reference:.4f} (growing cache, {source}): {change:+.3%}")
         figures[_label(cache)] = by_dtype[cache["kv_dtype"]]
         increase = figures[_label(cache)]["increase"]
         if increase > cfg.max_kv_ppl_increase:

@@ -213,11 +213,6 @@ def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) ->
     return torch.bmm(buf, weight.transpose(1, 2))[expert, slot]
 
 
-# A layer's experts merged for the dense mode are a second copy of their weights: only for small experts.
-# The planner times the merged GEMM up to the same size (opus.quant.speed).
-MERGED_MAX_BYTES = MERGED_EXPERTS_MAX_BYTES
-
-
 class StackedQuantLinear(nn.Module):
     """E quantized linears of one class and options, the experts of one MoE layer: ``GroupedExperts``
     runs each expert's own kernels on its contiguous slice of expert-sorted rows (no grouped kernel
@@ -240,10 +235,11 @@ class StackedQuantLinear(nn.Module):
         """The experts' format name (``QuantLinear.fmt``), for reasons and summaries."""
         return str(getattr(self.experts[0], "fmt", type(self.experts[0]).__name__))
 
-    def merged(self, max_bytes: int = MERGED_MAX_BYTES) -> nn.Module | None:
+    def merged(self, max_bytes: int = MERGED_EXPERTS_MAX_BYTES) -> nn.Module | None:
         """All E experts as one layer of their class (outputs concatenated, expert by expert: exact), for
         rows that every expert sees, or None where they do not concatenate or their tensors exceed
-        ``max_bytes``. A copy: its tensors are kept out of the state dict (derived, not saved)."""
+        ``max_bytes`` (the planner times the merged GEMM up to the same size: opus.quant.speed). A copy: its
+        tensors are kept out of the state dict (derived, not saved)."""
         if sum(t.numel() * t.element_size() for t in self.buffers()) > max_bytes:
             return None
         try:

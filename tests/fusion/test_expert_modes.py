@@ -71,8 +71,6 @@ def test_the_dense_mode_runs_every_quantized_experts_gate_up_in_one_call(fmt: st
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense: every expert sees every row, so their gate/up layers run as one concatenated layer: the same
     sums as one call per expert, bit for bit, at decode and prefill sizes; the copy is not in the state dict."""
-    from opus.fusion import linear_ops
-
     moe = _w8a8_moe(fmt)
     merged = moe.experts.gate_up_all
     assert merged is not None and merged.out_features == moe.experts.num_experts * moe.experts.gate_up.out_features
@@ -90,8 +88,7 @@ def test_the_dense_mode_runs_every_quantized_experts_gate_up_in_one_call(fmt: st
             moe.experts.gate_up_all = merged
         assert len(calls) == moe.experts.num_experts and torch.equal(together, apart)
         calls.clear()
-    monkeypatch.setattr(linear_ops, "MERGED_MAX_BYTES", 1024)
-    assert moe.experts.gate_up.merged(linear_ops.MERGED_MAX_BYTES) is None  # bigger experts: no second copy
+    assert moe.experts.gate_up.merged(max_bytes=1024) is None  # bigger experts: no second copy
 
 
 def test_compiled_mode_runs_quantized_experts_as_the_sorted_mode_does() -> None:
