@@ -130,6 +130,21 @@ def model_and_calibration(model: str, calib: str, prog: str) -> tuple[torch.nn.M
         raise SystemExit(2) from None
 
 
+def k3_prefill_setup(description: str) -> tuple[Any, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The K3 prefill benches' command line (--batch, --input-len, --repeats) and what they run: the parsed
+    arguments, the fp32 K3 model, 16 calibration blocks of 256 tokens and ``--batch`` held-out prompts."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    base, tokenizer, calib = model_and_calibration("examples/k3/model", "examples/k3/data/calib/*.txt", parser.prog)
+    prompts = load_blocks(TextSetSpec(files=["examples/k3/data/heldout/*.txt"], samples=args.batch,
+                                      seq_len=args.input_len), tokenizer, ROOT)
+    return args, base, calib, prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="examples/k3/model")

@@ -14,7 +14,6 @@ logits (the sums are the same, so it should be 0). A figure, not a test:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -24,31 +23,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compiled_prefill import ROOT, optimized  # noqa: E402
+from compiled_prefill import k3_prefill_setup, optimized  # noqa: E402
 
 from opus.fusion import compiled_experts  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
-from opus.models import load_model  # noqa: E402
-from opus.pipeline.spec import TextSetSpec  # noqa: E402
 from opus.runtime.choose import Option, interleave  # noqa: E402
-from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
 
 ONE_CALL = compiled_experts._one_call
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=15)
-    args = parser.parse_args()
-    torch.set_grad_enabled(False)
-    base, tokenizer = load_model({"hf": "examples/k3/model"}, ROOT)
-    calib = load_blocks(TextSetSpec(files=["examples/k3/data/calib/*.txt"], samples=16, seq_len=256), tokenizer, ROOT)
-    prompts = load_blocks(TextSetSpec(files=["examples/k3/data/heldout/*.txt"], samples=args.batch,
-                                      seq_len=args.input_len), tokenizer, ROOT)
+    args, base, calib, prompts = k3_prefill_setup(__doc__.splitlines()[0])
     model = optimized(base, calib, "w8a8", "compiled")
     make = cache_factory(model, static.cache_config(True, compile_prefill=True, attention="blocked",
                                                     w8a8_weight_only_rows=1, w8a8_packed_gemm="prefill"))

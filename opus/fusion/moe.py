@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.fusion import native_experts
 from opus.fusion.compiled_experts import compiled_experts, compiled_reason
 from opus.fusion.linear_ops import (
     StackedLinear,
@@ -111,7 +112,14 @@ class GroupedExperts(nn.Module):
         self.num_experts = gate_up.num_experts
         # The dense mode's gate/up for every expert in one call (every expert sees the same rows there).
         self.gate_up_all = gate_up.merged() if isinstance(gate_up, StackedQuantLinear) else None
+        self._native_reason = native_experts.experts_reason(gate_up, down)
         self.handle = next(_HANDLES)  # how opus::sorted_experts finds these experts
+        _EXPERTS[self.handle] = self
+
+    def __setstate__(self, state: dict) -> None:
+        # A copy (copy.deepcopy) is other experts: its own handle, or opus::sorted_experts would run the original's.
+        super().__setstate__(state)
+        self.handle = next(_HANDLES)
         _EXPERTS[self.handle] = self
 
     @property
@@ -141,6 +149,8 @@ class GroupedExperts(nn.Module):
         mode = _static_mode(x, mode)
         if mode == "dense":
             return self.dense(x, chosen, weights)
+        if mode == "sorted_op" and self.native_reason(x) is None:
+            return native_experts.sorted_w8a8(self.gate_up, self.down, x, chosen, weights)
         if mode in ("sorted_op", "compiled_op"):
             return sorted_experts(x, chosen, weights, self.handle, mode == "compiled_op")
         if mode in ("grouped", "compiled"):
@@ -152,8 +162,14 @@ class GroupedExperts(nn.Module):
             raise ValueError(self.mode_reason(mode))
         return self.sorted(x, chosen, weights)
 
+    def native_reason(self, x: torch.Tensor) -> str | None:
+        """Why the sorted mode cannot run as opus.fusion.native_experts' C++ op on ``x``, or None."""
+        return self._native_reason or native_experts.input_reason(x)
+
     def sorted(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
                compiled: bool = False) -> torch.Tensor:
+        if not compiled and self.native_reason(x) is None:
+            return native_experts.sorted_w8a8(self.gate_up, self.down, x, chosen, weights)
         flat = chosen.reshape(-1)  # [N * k] expert of each (token, slot)
         order = torch.argsort(flat, stable=True)  # stable: within an expert tokens stay in order
         token = torch.div(order, self.top_k, rounding_mode="floor")
