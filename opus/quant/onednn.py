@@ -7,6 +7,11 @@ wins at prefill sizes, and loses to FBGEMM (opus.quant.fbgemm) at one to a few r
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+import tempfile
+
 import torch
 
 from opus.quant.packed import PackedKernel, register
@@ -15,7 +20,50 @@ from opus.quant.packed import PackedKernel, register
 def _missing() -> str | None:
     if not hasattr(torch.ops.onednn, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN int8 linear (onednn.qlinear_prepack)"
+    implementation = reference_implementation(_verbose_of_one_call())
+    if implementation:
+        # Measured on an AMD EPYC with AVX-512 VNNI: 67 ms for one 64 x 256 by 384 GEMM (torch._int_mm: ~20 µs);
+        # kv_config spent ten minutes timing it in the K3 demo before it lost.
+        return (f"oneDNN runs its reference int8 matmul on this CPU ({implementation}: thousands of times slower "
+                "than its optimized kernels)")
     return None
+
+
+def reference_implementation(verbose: str) -> str | None:
+    """The implementation oneDNN's verbose lines name for a matmul it ran, where it is a reference one
+    (``ref_int8:any``), else None."""
+    for line in verbose.splitlines():
+        fields = line.split(",")
+        if len(fields) > 6 and fields[2:4] == ["primitive", "exec"] and fields[5] == "matmul":
+            return fields[6] if fields[6].startswith("ref") else None
+    return None
+
+
+def _verbose_of_one_call() -> str:
+    """oneDNN's verbose lines for one small packed GEMM. oneDNN prints them with C stdio on file
+    descriptor 1, so that descriptor goes to a temporary file meanwhile (both stdio layers flushed)."""
+    qweight = torch.randint(-127, 128, (64, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    scale = torch.ones(64)
+    twin = _pack(qweight, scale)
+    q = qweight[:16].contiguous()
+    _run(q, twin, scale)  # the primitive made once, outside the capture
+    libc = ctypes.CDLL(None)
+    sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                _run(q, twin, scale)
+        except (RuntimeError, AssertionError):  # a build without verbose mode: no lines, nothing ruled out
+            pass
+        finally:
+            libc.fflush(None)
+            os.dup2(saved, 1)
+            os.close(saved)
+        capture.seek(0)
+        return capture.read().decode(errors="replace")
 
 
 def _pack(qweight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -145,3 +145,29 @@ def test_a_long_prefill_is_one_packed_call(kernel: packed.PackedKernel) -> None:
         with packed.use(kernel.name):
             assert _packed_calls(lambda: layer(x), kernel) == 1
             torch.testing.assert_close(layer(x), unpacked, rtol=1e-5, atol=1e-5)
+
+
+def test_onednns_reference_matmul_is_told_apart_from_its_optimized_kernels() -> None:
+    """Where oneDNN runs its packed int8 GEMM through the reference implementation (an AMD EPYC with
+    AVX-512 VNNI: 67 ms a small GEMM), the kernel is unavailable with that reason, so kv_config never
+    spends minutes timing it."""
+    from opus.quant.onednn import reference_implementation
+
+    head = "onednn_verbose,v1,primitive,exec,cpu,matmul,"
+    tail = ",undef,src:s8:a:blocked:ab::f0 wei:s8::blocked:BA16a64b4a::f8:zpm2 dst:f32,,64x256:256x384,67.1"
+    assert reference_implementation("onednn_verbose,v1,info,cpu,runtime:OpenMP\n" + head + "ref_int8:any" + tail) \
+        == "ref_int8:any"
+    assert reference_implementation(head + "brg_matmul:avx512_core_amx" + tail) is None
+    assert reference_implementation("onednn_verbose,v1,info,oneDNN v3.12.0") is None
+
+
+def test_the_verbose_check_reads_a_real_matmul_and_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
+    from opus.quant.onednn import _verbose_of_one_call, reference_implementation
+
+    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        pytest.skip("this torch has no oneDNN int8 linear")
+    lines = _verbose_of_one_call()
+    assert ",primitive,exec,cpu,matmul," in lines
+    assert "onednn_verbose" not in capfd.readouterr().out
+    implementation = reference_implementation(lines)
+    assert (ONEDNN.available() is not None) if implementation else True
