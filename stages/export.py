@@ -46,6 +46,7 @@ class Config(BaseModel):
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus.export.native import ExportSettings, export_model
     from opus.pipeline.run_files import relative_path
+    from opus.runtime.machine import thread_count
 
     loaded = ctx.load_model()
     workload, spec = ctx.workload, ctx.spec
@@ -55,7 +56,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         onnx=cfg.onnx, hf=cfg.hf, gguf=cfg.gguf, prompts=list(cfg.prompts), greedy_tokens=cfg.greedy_tokens,
         batch_size=cfg.batch_size or workload.batch_size, input_len=cfg.input_len or workload.input_len,
         new_tokens=cfg.new_tokens, warmup=workload.warmup, repeats=workload.repeats,
-        threads=cfg.threads or spec.run.threads, last_only=cfg.last_only,
+        threads=cfg.threads or thread_count(spec.run.threads), last_only=cfg.last_only,
         progress=lambda what: ctx.progress(0, None, what))
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
     # Inside the checkpoint the directory is still temporary: record where it will be once committed.

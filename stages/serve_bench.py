@@ -43,6 +43,7 @@ class Config(BaseModel):
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
+    from opus.runtime.machine import thread_count
     from opus.runtime.serve_load import plan_levels, requests_per_level, run_level, summarize
     from opus.runtime.serve_prompts import pipeline_tokenizer, serve_prompts
     from opus.runtime.server_process import opus_server
@@ -53,7 +54,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         raise InputError("serve_bench needs a model state: put it after a stage that keeps one")
     spec, wl = ctx.spec, ctx.workload
     input_len, output_len = cfg.input_len or wl.input_len, cfg.output_len or wl.output_len
-    threads = cfg.threads or spec.run.threads or _torch_threads()
+    threads = cfg.threads or thread_count(spec.run.threads) or _torch_threads()
     levels, count = plan_levels(cfg.concurrency, lambda c: cfg.requests or requests_per_level(c))
     tokenizer = pipeline_tokenizer(spec, ctx.base_dir, ctx.run_dir)
     prompts, prompt_source = serve_prompts(spec.data, ctx.base_dir, tokenizer, count, input_len)

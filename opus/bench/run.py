@@ -33,7 +33,7 @@ from opus.bench.rounds import (
 from opus.bench.target import Target, pipeline_budget, resolve_target
 from opus.errors import InputError, OpusError
 from opus.pipeline.spec import WorkloadSpec
-from opus.runtime.machine import describe, recorded
+from opus.runtime.machine import describe, recorded, thread_count
 from opus.runtime.metrics import Progress, Settings, fidelity_prompts, model_mb, prepare_inputs
 
 
@@ -102,7 +102,7 @@ def prepare(request: BenchRequest, target: Target, work_dir: Path,
     from opus.models import load_model
 
     spec, base_dir = target.loaded.spec, target.loaded.base_dir
-    threads = request.threads or spec.run.threads or torch.get_num_threads()
+    threads = request.threads or thread_count(spec.run.threads) or torch.get_num_threads()
     torch.set_num_threads(threads)
     workload = _workload(spec.workload, request)
     evaluation = spec.data.evaluation

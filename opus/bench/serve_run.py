@@ -23,7 +23,7 @@ from opus.bench.core import Unavailable
 from opus.bench.serve_servers import llamacpp_server, llamacpp_version
 from opus.bench.target import Target, resolve_target
 from opus.errors import InputError, OpusError
-from opus.runtime.machine import describe, recorded
+from opus.runtime.machine import describe, recorded, thread_count
 from opus.runtime.serve_load import (
     DEFAULT_LEVELS,
     Level,
@@ -100,7 +100,7 @@ def _threads(request: ServeRequest, target: Target) -> int:
     if request.threads is not None:
         return request.threads
     if target.loaded.spec.run.threads:
-        return int(target.loaded.spec.run.threads)
+        return thread_count(target.loaded.spec.run.threads)
     import torch
 
     return torch.get_num_threads()  # what opus bench and the stages default to: the physical cores

@@ -57,6 +57,7 @@ from opus.pipeline.summary import build_summary
 from opus.pipeline.supervise import WorkerOutcome, run_worker
 from opus.pipeline.units import clear_units
 from opus.pipeline.verdict import KEPT, TRANSIENT_FAILURES, run_status
+from opus.runtime.machine import STAGE_THREADS, idle_cores, threads_for
 
 DISK_FULL = "the disk is full; committed checkpoints are intact: free disk space, then `opus resume`"
 
@@ -303,7 +304,8 @@ class Runner:
             check_free_disk(self.stages_dir, needed, self.spec.run.min_free_disk_mb)
         except DiskSpaceError as exc:
             return WorkerOutcome("disk", str(exc)), 0.0
-        env = {"OMP_NUM_THREADS": str(self.spec.run.threads)} if self.spec.run.threads else {}
+        threads = self._threads(stage_id)
+        env = {"OMP_NUM_THREADS": str(threads), STAGE_THREADS: str(threads)} if threads else {}
         job = self._job(stage_id, key, cfg, attempt, remedy, incoming, out_dir)
         outcome = run_worker(
             job, out_dir / JOB_FILE, self.run_dir / "logs" / f"{final.name}.log",
@@ -311,6 +313,18 @@ class Runner:
             timeout_s=stage.timeout_s or self.spec.run.stage_timeout_s,
             on_message=lambda m, s=stage_id: self._on_message(s, m), env=env)
         return outcome, time.monotonic() - started
+
+    def _threads(self, stage_id: str) -> int | None:
+        """The stage worker's thread count: ``run.threads``, or for "auto" the cores idle right now."""
+        setting = self.spec.run.threads
+        if setting != "auto":
+            return setting
+        idle, cores = idle_cores(), os.cpu_count() or 1
+        threads = threads_for(idle, cores)
+        self.display.line(f"  {stage_id}: {threads} thread{'s' if threads > 1 else ''} "
+                          f"({idle:.1f} of {cores} cores idle; run.threads: auto)")
+        self.events.emit("stage_threads", stage=stage_id, threads=threads, idle_cores=round(idle, 2), cores=cores)
+        return threads
 
     def _on_message(self, stage_id: str, message: dict[str, Any]) -> None:
         if message.get("t") == "event" and isinstance(message.get("fields"), dict):

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from opus.cluster.settings import ExecutorSettings
 from opus.errors import InputError
@@ -82,13 +91,21 @@ class RunSpec(Strict):
     stall_timeout_s: float = Field(1800.0, gt=0)
     max_retries: int = Field(2, ge=0, le=20)
     min_free_disk_mb: int = Field(256, ge=0)
-    threads: int | None = Field(None, gt=0)
+    # Threads per stage worker; "auto": the cores idle just before each stage starts (opus.runtime.machine).
+    threads: PositiveInt | Literal["auto"] | None = None
     track: Literal["none", "git"] = "none"
     # An earlier run whose timing decisions this one replays (opus.pipeline.replay); `opus run --decisions-from`.
     decisions_from: str | None = None
     # Where the plan stage's sensitivity sweep runs: this machine, or {ray: {...}} (opus.cluster). Not part
     # of any stage key: the same units come out either way, so a run can move between the two and resume.
     executor: Literal["local"] | ExecutorSettings = "local"
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        if value is None or value == "auto" or (type(value) is int and value > 0):
+            return value
+        raise ValueError("a positive number of threads, or auto")
 
 
 class Threshold(Strict):

@@ -61,6 +61,34 @@ def load_average() -> float | None:
         return None
 
 
+STAGE_THREADS = "OPUS_STAGE_THREADS"  # the runner's choice for "auto", in the stage worker's environment
+
+
+def idle_cores(sample_s: float = 0.5) -> float:
+    """How many logical cores sat idle over the next ``sample_s`` seconds (psutil's per-CPU busy shares)."""
+    import psutil
+
+    return sum(100.0 - busy for busy in psutil.cpu_percent(interval=sample_s, percpu=True)) / 100.0
+
+
+def threads_for(idle: float, cores: int) -> int:
+    """Threads for work that wants every core it gets, given ``idle`` cores of ``cores``: the cores at least
+    80 % idle, one at the least. Eager PyTorch's threads wait for each other at every op: one on a core
+    that another process holds stalls the rest (K3's fp32 prefill took x25 longer with 2 threads beside one
+    busy process on 2 cores, and no longer with 1)."""
+    return max(1, min(cores, int(idle + 0.2)))
+
+
+def thread_count(setting: int | str | None) -> int | None:
+    """``run.threads`` as a count: a number as given, None as None (the caller's default), and "auto" the
+    cores idle now (``threads_for``). In a stage's worker "auto" is the count the runner chose for it."""
+    if setting != "auto":
+        return setting if setting is None else int(setting)
+    if os.environ.get(STAGE_THREADS):
+        return int(os.environ[STAGE_THREADS])
+    return threads_for(idle_cores(), os.cpu_count() or 1)
+
+
 def machine_record() -> dict[str, Any]:
     import psutil
     import torch

@@ -195,3 +195,20 @@ def test_sigkill_mid_stage_then_resume_matches_uninterrupted(tmp_path: Path, rep
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     metrics = lambda d: {s["id"]: s["metrics"] for s in summary(d)["stages"]}  # noqa: E731
     assert metrics(killed) == metrics(clean)
+
+
+def test_auto_threads_run_each_stage_on_the_cores_idle_before_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.threads: auto counts the idle cores before every stage; a neighbour holding one core of two
+    leaves one thread, which the stage's worker runs with and the events record."""
+    import opus.pipeline.runner as runner
+
+    monkeypatch.setattr(runner, "idle_cores", lambda: 1.0)
+    stages = [{"id": "base", "uses": MEASURE, "with": {"baseline": True, "report_threads": True}},
+              {"id": "after", "uses": MEASURE, "needs": ["base"], "with": {"report_threads": True}}]
+    path = write_pipeline(tmp_path / "p.yaml", pipeline(stages, run={"stall_timeout_s": 60, "threads": "auto"}))
+    run_dir = tmp_path / "run"
+    assert run_cli("run", path, "--run-dir", run_dir) == 0
+    assert [s["metrics"]["threads"] for s in summary(run_dir)["stages"]] == [1, 1]
+    chosen = [e for e in events(run_dir) if e["event"] == "stage_threads"]
+    assert [(e["stage"], e["threads"], e["idle_cores"]) for e in chosen] == [("base", 1, 1.0), ("after", 1, 1.0)]

@@ -187,3 +187,11 @@ def test_ordinary_aliases_still_work_and_name_lines(tmp_path: Path) -> None:
     # A key under an alias has no line of its own: the error points at the key holding the alias.
     message = _error(tmp_path, text.replace("    with:\n      factor: 2.0", "    with: *g"))
     assert "p.yaml:12: stages[1].with.quality: " in message
+
+
+def test_run_threads_is_a_count_or_auto(tmp_path: Path) -> None:
+    auto = load_pipeline(write_pipeline(tmp_path / "p.yaml", GOOD.replace("stages:", "run: {threads: auto}\nstages:")))
+    assert auto.spec.run.threads == "auto"
+    for wrong in ("0", "many"):
+        message = _error(tmp_path, GOOD.replace("stages:", f"run: {{threads: {wrong}}}\nstages:"))
+        assert "run.threads" in message, message

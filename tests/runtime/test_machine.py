@@ -36,3 +36,23 @@ def test_recorded_adds_the_load_before_and_after() -> None:
     with machine.recorded(into):
         assert "machine" not in into
     assert {"load_before", "load_after", "cpu", "isa"} <= set(into["machine"])
+
+
+@pytest.mark.parametrize(("idle", "cores", "threads"), [(1.95, 2, 2), (1.0, 2, 1), (1.7, 2, 1), (0.1, 2, 1),
+                                                         (7.9, 8, 8), (5.5, 8, 5), (3.0, 2, 2)])
+def test_threads_are_the_cores_at_least_80_percent_idle(idle: float, cores: int, threads: int) -> None:
+    assert machine.threads_for(idle, cores) == threads
+
+
+def test_auto_threads_in_a_stage_worker_are_the_runners_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert machine.thread_count(None) is None and machine.thread_count(3) == 3
+    monkeypatch.setattr(machine, "idle_cores", lambda: 1.0)
+    monkeypatch.delenv(machine.STAGE_THREADS, raising=False)
+    assert machine.thread_count("auto") == 1  # measured here: one core idle
+    monkeypatch.setenv(machine.STAGE_THREADS, "2")
+    assert machine.thread_count("auto") == 2  # in a worker: what the runner chose before the stage started
+
+
+def test_idle_cores_are_read_from_the_machine() -> None:
+    idle = machine.idle_cores(0.1)
+    assert 0.0 <= idle <= (machine.os.cpu_count() or 1) + 1e-6
