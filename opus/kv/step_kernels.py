@@ -8,6 +8,8 @@ compiled steps. ``w8a8_packed_gemm``: their int8 GEMMs run through a packed kern
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
 
 from opus.kv.compiled_steps import STEP_SETTINGS
@@ -46,6 +48,11 @@ def has_w8a8(model: nn.Module) -> bool:
     return any(applies(m) for m in model.modules())
 
 
+# Why a packed kernel, correct here, should not be raced (a library's reference path): registered by the
+# format that packs (opus.quant.formats.w8a8), which sits above this module.
+PACKED_RACE_REASON: list[Callable[[str], str | None]] = []
+
+
 def packed_reason(model: nn.Module, value: str | dict[str, str]) -> str | None:
     """Why ``model`` cannot run the packed kernels ``value`` names, or None."""
     if not has_w8a8(model):
@@ -53,6 +60,9 @@ def packed_reason(model: nn.Module, value: str | dict[str, str]) -> str | None:
     if next(iter(model.parameters())).device.type != "cpu":
         return "the packed int8 GEMMs run on CPUs"
     for kernel in dict.fromkeys(packed_kernels(value).values()):
+        slow = PACKED_RACE_REASON[0](kernel) if PACKED_RACE_REASON else None
+        if slow:
+            return slow
         try:
             with STEP_SETTINGS[PACKED_GEMM][0](kernel):  # refuses where the kernel is missing or computes wrong
                 pass

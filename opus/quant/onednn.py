@@ -20,6 +20,10 @@ from opus.quant.packed import PackedKernel, register
 def _missing() -> str | None:
     if not hasattr(torch.ops.onednn, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN int8 linear (onednn.qlinear_prepack)"
+    return None
+
+
+def _slow() -> str | None:
     implementation = reference_implementation(_verbose_of_one_call())
     if implementation:
         # Measured on an AMD EPYC with AVX-512 VNNI: 67 ms for one 64 x 256 by 384 GEMM (torch._int_mm: ~20 µs);
@@ -84,4 +88,4 @@ def _run(q: torch.Tensor, twin: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
 
 
 ONEDNN = register(PackedKernel("onednn", "oneDNN", _missing, _pack, _run,
-                               lambda twin, _qweight: int(twin[0].numel()) * twin[0].element_size()))
+                               lambda twin, _qweight: int(twin[0].numel()) * twin[0].element_size(), slow=_slow))

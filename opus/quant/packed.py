@@ -53,8 +53,10 @@ class PackedKernel:
     # The dtype ``run`` takes the int8 values in: a kernel that wants floats (FBGEMM's quantizes them itself)
     # gets them cast inside the compiled graph, where the cast fuses into the quantization kernel.
     takes: torch.dtype = torch.int8
+    # Why this kernel, correct here, is not worth racing (a library's reference path), or None.
+    slow: Callable[[], str | None] = lambda: None
     twins: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # qweight -> twin
-    checked: list[str | None] = field(default_factory=list)  # available()'s answer, once worked out
+    checked: list[str | None] = field(default_factory=list)  # available()'s, then race_reason()'s answer
 
     def twin(self, qweight: torch.Tensor, scale: torch.Tensor) -> Any:
         entry = self.twins.get(qweight)
@@ -77,6 +79,12 @@ class PackedKernel:
         if not self.checked:
             self.checked.append(self._check())
         return self.checked[0]
+
+    def race_reason(self) -> str | None:
+        """Why a race of kernels should leave this one out: unavailable, or correct but far too slow here."""
+        if len(self.checked) < 2:
+            self.checked.append(self.available() or self.slow())
+        return self.checked[1]
 
     def _check(self) -> str | None:
         reason = self.missing()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.kv.compiled_steps import STEP_SETTINGS
-from opus.kv.step_kernels import PACKED_GEMM, WEIGHT_ONLY_ROWS
+from opus.kv.step_kernels import PACKED_GEMM, PACKED_RACE_REASON, WEIGHT_ONLY_ROWS
 from opus.quant import fbgemm, onednn, packed  # noqa: F401 - importing a kernel registers it
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
@@ -129,6 +129,7 @@ def int8_activations_at_every_size() -> contextlib.AbstractContextManager[None]:
 # and with a packed int8 GEMM, oneDNN's or FBGEMM's (w8a8_packed_gemm).
 STEP_SETTINGS[WEIGHT_ONLY_ROWS] = (int8_activations_from, lambda module: isinstance(module, Int8DynamicLinear))
 STEP_SETTINGS[PACKED_GEMM] = (packed.use, lambda module: isinstance(module, Int8DynamicLinear))
+PACKED_RACE_REASON[:] = [lambda kernel: packed.KERNELS[kernel].race_reason() if kernel in packed.KERNELS else None]
 
 
 class MinRows(nn.Module):
