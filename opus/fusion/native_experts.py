@@ -54,8 +54,12 @@ SOURCE = r"""
 #include <unordered_map>
 
 // Hot loops built for AVX-512, AVX2 and the baseline, picked when the library loads (not -march=native:
-// a cached build must run on whatever CPU later loads it).
+// a cached build must run on whatever CPU later loads it). Other CPUs build them once, for the baseline.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define OPUS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define OPUS_CLONES
+#endif
 
 namespace {
 constexpr int64_t CHUNK = 256;  // rows per pass: an expert's intermediates stay in the caches

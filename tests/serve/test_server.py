@@ -148,7 +148,7 @@ def test_bad_requests_are_400_with_an_openai_error_body(server) -> None:
 def test_a_full_queue_is_429_with_retry_after(server) -> None:
     """Batch 2, queue 4: of eight long requests at once, some are refused; the rest finish."""
     def ask(_: int) -> int:
-        body = json.dumps({"prompt": "Once", "max_tokens": 150, "ignore_eos": True, "temperature": 0}).encode()
+        body = json.dumps({"prompt": "Once", "max_tokens": 600, "ignore_eos": True, "temperature": 0}).encode()
         request = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
