@@ -57,7 +57,7 @@ from opus.pipeline.summary import build_summary
 from opus.pipeline.supervise import WorkerOutcome, run_worker
 from opus.pipeline.units import clear_units
 from opus.pipeline.verdict import KEPT, TRANSIENT_FAILURES, run_status
-from opus.runtime.machine import STAGE_THREADS, idle_cores, threads_for
+from opus.runtime.machine import STAGE_THREADS, auto_threads
 
 DISK_FULL = "the disk is full; committed checkpoints are intact: free disk space, then `opus resume`"
 
@@ -319,8 +319,7 @@ class Runner:
         setting = self.spec.run.threads
         if setting != "auto":
             return setting
-        idle, cores = idle_cores(), os.cpu_count() or 1
-        threads = threads_for(idle, cores)
+        threads, idle, cores = auto_threads()
         self.display.line(f"  {stage_id}: {threads} thread{'s' if threads > 1 else ''} "
                           f"({idle:.1f} of {cores} cores idle; run.threads: auto)")
         self.events.emit("stage_threads", stage=stage_id, threads=threads, idle_cores=round(idle, 2), cores=cores)

@@ -86,7 +86,13 @@ def thread_count(setting: int | str | None) -> int | None:
         return setting if setting is None else int(setting)
     if os.environ.get(STAGE_THREADS):
         return int(os.environ[STAGE_THREADS])
-    return threads_for(idle_cores(), os.cpu_count() or 1)
+    return auto_threads()[0]
+
+
+def auto_threads() -> tuple[int, float, int]:
+    """``run.threads: auto`` now: (threads, idle cores, cores)."""
+    idle, cores = idle_cores(), os.cpu_count() or 1
+    return threads_for(idle, cores), idle, cores
 
 
 def machine_record() -> dict[str, Any]:

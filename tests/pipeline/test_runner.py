@@ -201,9 +201,9 @@ def test_auto_threads_run_each_stage_on_the_cores_idle_before_it(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """run.threads: auto counts the idle cores before every stage; a neighbour holding one core of two
     leaves one thread, which the stage's worker runs with and the events record."""
-    import opus.pipeline.runner as runner
+    from opus.runtime import machine
 
-    monkeypatch.setattr(runner, "idle_cores", lambda: 1.0)
+    monkeypatch.setattr(machine, "idle_cores", lambda: 1.0)
     stages = [{"id": "base", "uses": MEASURE, "with": {"baseline": True, "report_threads": True}},
               {"id": "after", "uses": MEASURE, "needs": ["base"], "with": {"report_threads": True}}]
     path = write_pipeline(tmp_path / "p.yaml", pipeline(stages, run={"stall_timeout_s": 60, "threads": "auto"}))
