@@ -51,7 +51,7 @@ def main() -> None:
 
     runs = {"fp32 eager": lambda: base(prompts, last_only=True), "experts compiled": prefill_of(compiled),
             "experts sorted, C++ op": prefill_of(native), "experts sorted, Python op": prefill_of(python_op)}
-    logits = {name: [run() for _ in range(3)][-1] for name, run in runs.items()}  # compiles, warms
+    logits = {name: [run().clone() for _ in range(3)][-1] for name, run in runs.items()}  # compiles, warms; cloned
     record: dict = {}
     with recorded(record):
         times = interleave([Option(name, run) for name, run in runs.items()], args.repeats, warmup=0)

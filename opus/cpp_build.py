@@ -15,7 +15,9 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,6 +54,19 @@ def build(name: str, source: str, what: str, cflags: tuple[str, ...] = ("-O2", "
     if building:
         print(f"opus: built {what} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return None
+
+
+def load_ops(state: dict[str, Any], name: str, source: str, what: str, cflags: tuple[str, ...],
+             ldflags: tuple[str, ...], fakes: dict[str, Callable[..., Any]]) -> str | None:
+    """``build`` once per process (its answer kept in ``state["reason"]``) and, when built, each op's fake
+    (shape-only) kernel for compiled graphs; None when the ops serve, else why not."""
+    if "reason" not in state:
+        reason = build(name, source, what, cflags, ldflags)
+        if reason is None:
+            for op, fake in fakes.items():
+                torch.library.register_fake(op)(fake)
+        state["reason"] = reason
+    return state["reason"]
 
 
 def library_name(name: str) -> str:

@@ -306,15 +306,11 @@ _STATE: dict[str, Any] = {}  # "reason": why the op is not in use (None: it is)
 @torch.compiler.assume_constant_result  # a compiled graph that meets it asks once, while traced
 def load() -> str | None:
     """Build (once per machine) and load the op; None when it serves, else why not."""
-    if "reason" not in _STATE:
-        # -fopenmp: at::parallel_for is inline OpenMP, serial without it; libgomp.so.1 resolves to the copy
-        # torch has loaded. -ffp-contract=off: no fused multiply-adds, so the products round as the eager ops'.
-        reason = cpp_build.build(NAME, SOURCE, "the C++ op of the W8A8 MoE experts",
-                                 ("-O3", "-fopenmp", "-ffp-contract=off", "-Wno-psabi"), ("-fopenmp",))
-        if reason is None:
-            torch.library.register_fake("opus_experts::w8a8_sorted")(_fake)
-        _STATE["reason"] = reason
-    return _STATE["reason"]
+    # -fopenmp: at::parallel_for is inline OpenMP, serial without it; libgomp.so.1 resolves to the copy
+    # torch has loaded. -ffp-contract=off: no fused multiply-adds, so the products round as the eager ops'.
+    return cpp_build.load_ops(_STATE, NAME, SOURCE, "the C++ op of the W8A8 MoE experts",
+                              ("-O3", "-fopenmp", "-ffp-contract=off", "-Wno-psabi"), ("-fopenmp",),
+                              {"opus_experts::w8a8_sorted": _fake})
 
 
 def _fake(x: torch.Tensor, *_: Any) -> torch.Tensor:

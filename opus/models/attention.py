@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opus.models import native_attention
+
 KERNELS = ("sdpa", "blocked")
 DOT = "dot"  # a decode step over narrower or int8 K/V (set by the cache's view, not a user's option)
 INT8_STORED = "int8_stored"  # a decode step over int8 K/V as stored (opus.models.int8_kv; set by the cache's view)
@@ -36,6 +38,8 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                       mask: torch.Tensor | None) -> torch.Tensor | None:
     """``attend``'s result by the blocked kernel, or None where it does not apply (``sdpa`` then)."""
     if causal and mask is None and q.shape[2] == k.shape[2] and q.shape[2] > CAUSAL_BLOCK:
+        if native_attention.reason(q, k, v) is None:
+            return native_attention.causal(q, k, v)
         return causal_blocks(q, k, v)
     return None
 

@@ -254,14 +254,16 @@ def test_blocked_attention_is_a_candidate_of_its_own_and_only_on_a_cpu():
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=needs_cxx)])
 def test_blocked_attention_gives_the_growing_caches_tokens(compiled, monkeypatch):
     """A prompt longer than one causal block: the prefill runs in blocks, compiled or eagerly."""
-    from opus.models import attention
+    from opus.models import attention, native_attention
 
     model = tiny_lm("llama")
     ids = prompts(2, attention.CAUSAL_BLOCK + 30)
     monkeypatch.setattr(compiled_steps, "NOTES", [])
     ran: list[str] = []
-    real = attention.causal_blocks  # traced (compiled) or run (eager): either way called
-    monkeypatch.setattr(attention, "causal_blocks", lambda *a: ran.append("causal_blocks") or real(*a))
+    # traced (compiled) or run (eager): either way called; the C++ op where it is built, else torch's ops
+    for module, name in ((attention, "causal_blocks"), (native_attention, "causal")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: ran.append(name) or real(*a))
     want = generate(model, ids, 6, cache_factory(model), return_logits=True)
     config = cache_config(compiled, slot_multiple=128, compile_prefill=True, attention="blocked")
     got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)

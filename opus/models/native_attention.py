@@ -1,0 +1,201 @@
+"""The blocked causal prefill attention (opus.models.attention) as one C++ op on the CPU.
+
+Run as torch ops, the blocked kernel is eight calls of torch's flash attention per layer at a 512-token
+prompt, each with a boolean mask that the compiled graph builds and widens to a float bias first; at K3's
+shapes (head_dim 32, 8 query heads on 2 KV heads, one 512-token prompt) that was half the compiled prefill:
+flash attention 2.5 ms a layer and its masks another 0.6 (torch.profiler, AMD EPYC with AVX-512, 2 threads).
+
+Here one op (``opus_attention::causal``) does what the blocked kernel does: each KV head's query group and
+``BLOCK`` query positions at a time, against the keys up to the block's end and no further. For one such
+block it takes the scores as one GEMM (ATen's, the rows of the group's heads stacked), the softmax of each
+row over its visible keys (the keys after a query are never read: their weights are zero), and the
+weighted values as a second GEMM, divided by each row's sum at the end. Blocks share out over the threads,
+largest first; a block's arithmetic does not depend on which thread runs it, so the result is the same at
+any thread count. It rounds as fp32 does, in its own order: not bit for bit torch's flash attention, within
+fp32 rounding of it (tests/models/test_native_attention.py).
+
+The output is ``[B, H, T, D]`` as a view of ``[B, T, H, D]`` memory, so the attention block's transpose
+back to the hidden size is free. fp32 on the CPU only; anything else, ``OPUS_NATIVE_OPS=0`` or a failed build
+keeps the blocked kernel's torch ops (``reason`` says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from opus import cpp_build
+
+NAME = "opus_native_attention"
+BLOCK = 64  # query positions per block: the upper triangle's waste within a block is half a block of keys
+SOURCE = r"""
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+// Hot loops built for AVX-512, AVX2 and the baseline, picked when the library loads (not -march=native:
+// a cached build must run on whatever CPU later loads it). Other CPUs build them once, for the baseline.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OPUS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define OPUS_CLONES
+#endif
+
+namespace {
+
+// exp(x) for x <= 0 (a softmax's shifted scores), in a form the compiler vectorizes: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (about 1 ulp), 2^n into the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this exp underflows; 2^n stays a normal float
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = (p * r) * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+// One score row over its ``visible`` keys into softmax weights (unnormalized), zero for the ``hidden`` keys
+// after them; returns the weights' sum.
+OPUS_CLONES float softmax_row(float* s, int64_t visible, int64_t hidden, float scale) {
+  float most = s[0];
+#pragma omp simd reduction(max : most)
+  for (int64_t j = 0; j < visible; ++j) most = s[j] > most ? s[j] : most;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < visible; ++j) {
+    s[j] = exp_nonpositive((s[j] - most) * scale);
+    sum += s[j];
+  }
+  std::memset(s + visible, 0, sizeof(float) * hidden);
+  return sum;
+}
+
+OPUS_CLONES void scaled_row(const float* o, float factor, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) out[j] = o[j] * factor;
+}
+
+struct Shape {
+  int64_t batch, heads, kv_heads, group, tokens, dim;
+};
+
+// Query positions [first, first + rows) of KV head ``kv`` in sequence ``b``: every head of its group.
+void block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Shape& s, int64_t b, int64_t kv,
+           int64_t first, int64_t rows, std::vector<float>& scratch, float* out) {
+  const int64_t end = first + rows, stacked = s.group * rows, d = s.dim;
+  scratch.resize(stacked * d + stacked * end + stacked * d);
+  float* qs = scratch.data();
+  float* scores = qs + stacked * d;
+  float* o = scores + stacked * end;
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  for (int64_t g = 0; g < s.group; ++g) {  // the group's heads stacked: row g * rows + i
+    at::Tensor head = q.select(0, b).select(0, kv * s.group + g).narrow(0, first, rows);
+    at::from_blob(qs + g * rows * d, {rows, d}, f32).copy_(head);
+  }
+  at::Tensor score = at::from_blob(scores, {stacked, end}, f32);
+  at::mm_out(score, at::from_blob(qs, {stacked, d}, f32), k.select(0, b).select(0, kv).narrow(0, 0, end).t());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::vector<float> inverse(stacked);
+  for (int64_t r = 0; r < stacked; ++r) {
+    const int64_t visible = first + r % rows + 1;
+    inverse[r] = 1.0f / softmax_row(scores + r * end, visible, end - visible, scale);
+  }
+  at::Tensor weighted = at::from_blob(o, {stacked, d}, f32);
+  at::mm_out(weighted, score, v.select(0, b).select(0, kv).narrow(0, 0, end));
+  for (int64_t r = 0; r < stacked; ++r) {  // out is [B, T, H, D]
+    const int64_t g = r / rows, t = first + r % rows;
+    scaled_row(o + r * d, inverse[r], d, out + ((b * s.tokens + t) * s.heads + kv * s.group + g) * d);
+  }
+}
+
+at::Tensor causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t block_rows) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "opus_attention: q, k, v must be [B, H, T, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "opus_attention: q, k, v must be fp32");
+  const Shape s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3)};
+  TORCH_CHECK(s.heads % s.kv_heads == 0 && k.sizes() == v.sizes() && k.size(2) == s.tokens && k.size(3) == s.dim,
+              "opus_attention: k, v must be [B, KV, T, D] with KV dividing q's heads");
+  at::Tensor out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
+  // Blocks largest first (the last ones see the most keys), shared out as threads come free.
+  std::vector<std::array<int64_t, 3>> blocks;  // first, batch, kv head
+  for (int64_t first = ((s.tokens - 1) / block_rows) * block_rows; first >= 0; first -= block_rows) {
+    for (int64_t b = 0; b < s.batch; ++b) {
+      for (int64_t kv = 0; kv < s.kv_heads; ++kv) blocks.push_back({first, b, kv});
+    }
+  }
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  float* outp = out.data_ptr<float>();
+  std::atomic<size_t> next{0};
+  auto work = [&](int64_t, int64_t) {
+    std::vector<float> scratch;
+    for (size_t i = next++; i < blocks.size(); i = next++) {
+      const auto& [first, b, kv] = blocks[i];
+      block(q, kc, vc, s, b, kv, first, std::min(block_rows, s.tokens - first), scratch, outp);
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks.size());
+  if (threads > 1) {
+    at::parallel_for(0, threads, 1, work);
+  } else {
+    work(0, 1);
+  }
+  return out.permute({0, 2, 1, 3});
+}
+}  // namespace
+
+TORCH_LIBRARY(opus_attention, m) {
+  m.def("causal(Tensor q, Tensor k, Tensor v, int block) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(opus_attention, CPU, m) {
+  m.impl("causal", TORCH_FN(causal));
+}
+"""
+
+_STATE: dict[str, Any] = {}  # "reason": why the op is not in use (None: it is)
+
+
+@torch.compiler.assume_constant_result  # a compiled graph that meets it asks once, while traced
+def load() -> str | None:
+    """Build (once per machine) and load the op; None when it serves, else why not."""
+    # -fopenmp: at::parallel_for is inline OpenMP (serial without it) and the softmax's `omp simd` reductions
+    # vectorize; libgomp.so.1 resolves to the copy torch has loaded.
+    return cpp_build.load_ops(_STATE, NAME, SOURCE, "the C++ op of the blocked causal attention",
+                              ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"), ("-fopenmp",),
+                              {"opus_attention::causal": _fake})
+
+
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    b, heads, t, d = q.shape
+    return q.new_empty((b, t, heads, d)).permute(0, 2, 1, 3)
+
+
+def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the op cannot run this causal prefill, or None when it can (and is built: load())."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in (q, k, v)):
+        return f"the C++ attention op runs fp32 on the CPU, not {q.dtype} on {q.device.type}"
+    return load()
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of ``q [B, H, T, D]`` over its own ``k, v [B, KV, T, D]`` (``reason`` said None)."""
+    return torch.ops.opus_attention.causal(q, k, v, BLOCK)
