@@ -471,8 +471,13 @@ def test_a_compiled_prefill_computes_rope_once_and_a_compiled_step_keeps_it_inli
     come from one opaque op (opus::rope_cos_sin) per forward, and a decode step keeps the inline ops."""
     from opus.models.decoder import _cos_sin, rope_cos_sin
 
-    positions = torch.arange(12).view(2, 6)  # per-row positions, as the server's steps give them
-    assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(positions, 8, 1e4), _cos_sin(positions, 8, 1e4)))
+    # Per-row positions, as the server's steps give them; then positions past the op's table (it grows), a
+    # row that starts late, none, and a base it has not seen: the table's rows are the values computed directly.
+    for positions, theta in ((torch.arange(12).view(2, 6), 1e4), (torch.tensor([[3, 700, 5]]), 1e4),
+                             (torch.arange(7).view(1, 7) + 100, 1e4), (torch.zeros(2, 0, dtype=torch.long), 1e4),
+                             (torch.arange(12).view(2, 6), 5e5)):
+        got, want = rope_cos_sin(positions, 8, theta), _cos_sin(positions, 8, theta)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (positions, theta)
     model = tiny_lm("llama")
     ids = prompts(2, 10)
     config = cache_config(True, slot_multiple=16, compile_prefill=True)
