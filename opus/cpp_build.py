@@ -4,18 +4,21 @@ g++ and ninja (as inductor's C++ backend needs) build a source (which includes t
 not all of torch's C++ API) into a shared library cached under ``~/.cache/torch_extensions`` and load it
 into the process; its ``TORCH_LIBRARY`` blocks register the ops.
 A first build takes 10-30 s, so a line on stderr says what is built before and how long it took after;
-a cached build loads silently. ``OPUS_NATIVE_OPS=0`` builds nothing. Whoever calls ``build`` keeps a
+a cached build loads silently. One process builds at a time (``build_guard``), and a build killed mid-way
+does not hang the next one. ``OPUS_NATIVE_OPS=0`` builds nothing. Whoever calls ``build`` keeps a
 Python path for when it returns a reason (no compiler, a failed build).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +47,7 @@ def build(name: str, source: str, what: str, cflags: tuple[str, ...] = ("-O2", "
                   file=sys.stderr, flush=True)
         if changed:
             write_text(path, source)
-        with warnings.catch_warnings():
+        with build_guard(directory), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             cpp_extension.load(name, sources=[str(path)], is_python_module=False, extra_cflags=list(cflags),
                                extra_ldflags=list(ldflags), verbose=False)
@@ -67,6 +70,25 @@ def load_ops(state: dict[str, Any], name: str, source: str, what: str, cflags: t
                 torch.library.register_fake(op)(fake)
         state["reason"] = reason
     return state["reason"]
+
+
+@contextmanager
+def build_guard(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s build for this process: wait while another process builds there, then remove a
+    lock file that torch's cpp_extension left behind.
+
+    cpp_extension marks a build with a lock file and waits, without end, while one exists; a build killed
+    outright (SIGKILL: a stage's watchdog, the OOM killer) leaves it, and every later load would hang. This
+    guard is an flock, which the kernel releases when its holder dies; so whoever holds it knows that no
+    build is running, and a lock file found then is a dead build's."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "opus-build.lock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        left = directory / "lock"
+        if left.exists():
+            left.unlink(missing_ok=True)
+            print(f"opus: removed {left}, left by a build that did not finish", file=sys.stderr, flush=True)
+        yield
 
 
 def library_name(name: str) -> str:
