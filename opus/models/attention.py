@@ -9,7 +9,7 @@ no work; the blocks skip the upper triangle. Measured on K3's shapes (head_dim 3
 2 KV heads; AMD EPYC AVX-512, torch 2.13, one layer, compiled): batch 32 × 512 46.7 vs 70.4 ms,
 batch 1 × 512 1.9 vs 2.5 ms, but batch 2 × 2048 59 vs 41 ms, where torch's key splits do skip work.
 Hence a choice the ``kv_config`` stage measures at the workload's shape, never a rule. In fp32 on the CPU the
-blocks run as one C++ op (opus.models.native_attention: 1.42 against 2.26 ms for these torch ops at batch 1 ×
+blocks run as one C++ op (opus.models.native_attention: 1.24 against 2.17 ms for these torch ops at batch 1 ×
 512, one layer); elsewhere, or where it did not build, as the torch ops below.
 
 Every other case (a decode step, a prompt of one block, a prefill after cached tokens) runs ``sdpa``:

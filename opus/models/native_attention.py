@@ -97,29 +97,42 @@ struct Shape {
   int64_t batch, heads, kv_heads, group, tokens, dim;
 };
 
+// An fp32 [B, H, T, D] tensor whose last dimension is contiguous: its rows by pointer (no tensor view per row).
+struct Rows {
+  float* data;
+  int64_t batch, head, token;
+  explicit Rows(const at::Tensor& x)
+      : data(const_cast<float*>(x.const_data_ptr<float>())), batch(x.stride(0)), head(x.stride(1)),
+        token(x.stride(2)) {}
+  float* row(int64_t b, int64_t h, int64_t t) const { return data + b * batch + h * head + t * token; }
+};
+
 // Query positions [first, first + rows) of KV head ``kv`` in sequence ``b``: every head of its group.
-void block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Shape& s, int64_t b, int64_t kv,
-           int64_t first, int64_t rows, std::vector<float>& scratch, float* out) {
+void block(const Rows& q, const Rows& k, const Rows& v, const Shape& s, int64_t b, int64_t kv, int64_t first,
+           int64_t rows, std::vector<float>& scratch, float* out) {
   const int64_t end = first + rows, stacked = s.group * rows, d = s.dim;
-  scratch.resize(stacked * d + stacked * end + stacked * d);
+  scratch.resize(stacked * (2 * d + end + 1));
   float* qs = scratch.data();
   float* scores = qs + stacked * d;
   float* o = scores + stacked * end;
-  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  float* inverse = o + stacked * d;
   for (int64_t g = 0; g < s.group; ++g) {  // the group's heads stacked: row g * rows + i
-    at::Tensor head = q.select(0, b).select(0, kv * s.group + g).narrow(0, first, rows);
-    at::from_blob(qs + g * rows * d, {rows, d}, f32).copy_(head);
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(qs + (g * rows + i) * d, q.row(b, kv * s.group + g, first + i), sizeof(float) * d);
+    }
   }
+  auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor keys = at::from_blob(k.row(b, kv, 0), {end, d}, {k.token, 1}, f32);
+  at::Tensor values = at::from_blob(v.row(b, kv, 0), {end, d}, {v.token, 1}, f32);
   at::Tensor score = at::from_blob(scores, {stacked, end}, f32);
-  at::mm_out(score, at::from_blob(qs, {stacked, d}, f32), k.select(0, b).select(0, kv).narrow(0, 0, end).t());
+  at::mm_out(score, at::from_blob(qs, {stacked, d}, f32), keys.t());
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  std::vector<float> inverse(stacked);
   for (int64_t r = 0; r < stacked; ++r) {
     const int64_t visible = first + r % rows + 1;
     inverse[r] = 1.0f / softmax_row(scores + r * end, visible, end - visible, scale);
   }
   at::Tensor weighted = at::from_blob(o, {stacked, d}, f32);
-  at::mm_out(weighted, score, v.select(0, b).select(0, kv).narrow(0, 0, end));
+  at::mm_out(weighted, score, values);
   for (int64_t r = 0; r < stacked; ++r) {  // out is [B, T, H, D]
     const int64_t g = r / rows, t = first + r % rows;
     scaled_row(o + r * d, inverse[r], d, out + ((b * s.tokens + t) * s.heads + kv * s.group + g) * d);
@@ -141,15 +154,17 @@ at::Tensor causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
       for (int64_t kv = 0; kv < s.kv_heads; ++kv) blocks.push_back({first, b, kv});
     }
   }
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const Rows qr(qc), kr(kc), vr(vc);
   float* outp = out.data_ptr<float>();
   std::atomic<size_t> next{0};
   auto work = [&](int64_t, int64_t) {
     std::vector<float> scratch;
     for (size_t i = next++; i < blocks.size(); i = next++) {
       const auto& [first, b, kv] = blocks[i];
-      block(q, kc, vc, s, b, kv, first, std::min(block_rows, s.tokens - first), scratch, outp);
+      block(qr, kr, vr, s, b, kv, first, std::min(block_rows, s.tokens - first), scratch, outp);
     }
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks.size());
