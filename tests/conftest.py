@@ -15,9 +15,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # make test runs two xdist workers on a 2-core machine: one thread each (and in the runs they
     # start), or the two OpenMP pools spin against each other on the same cores.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # Likewise inductor compiles in each worker's own process: its default pool of compile subprocesses per
-    # worker (and per run the tests start) puts more compilers than cores on the machine.
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
