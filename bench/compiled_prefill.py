@@ -130,13 +130,24 @@ def model_and_calibration(model: str, calib: str, prog: str) -> tuple[torch.nn.M
         raise SystemExit(2) from None
 
 
+def positive(text: str) -> int:
+    """A command-line count: a whole number above 0, else argparse's one-line error and exit 2."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number above 0, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number above 0, not {text!r}")
+    return value
+
+
 def k3_prefill_setup(description: str) -> tuple[Any, torch.nn.Module, torch.Tensor, torch.Tensor]:
     """The K3 prefill benches' command line (--batch, --input-len, --repeats) and what they run: the parsed
     arguments, the fp32 K3 model, 16 calibration blocks of 256 tokens and ``--batch`` held-out prompts."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--batch", type=positive, default=1)
+    parser.add_argument("--input-len", type=positive, default=512)
+    parser.add_argument("--repeats", type=positive, default=15)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     base, tokenizer, calib = model_and_calibration("examples/k3/model", "examples/k3/data/calib/*.txt", parser.prog)
@@ -151,10 +162,10 @@ def main() -> None:
     parser.add_argument("--calib", default="examples/k3/data/calib/*.txt")
     parser.add_argument("--eval", default="examples/k3/data/heldout/*.txt")
     parser.add_argument("--format", default="w8a8")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=positive, default=32)
+    parser.add_argument("--input-len", type=positive, default=512)
+    parser.add_argument("--output-len", type=positive, default=128)
+    parser.add_argument("--repeats", type=positive, default=3)
     parser.add_argument("--skip", type=int, action="append", default=[], choices=range(1, len(CONTENDERS)))
     parser.add_argument("--prefill-experts", default="compiled", choices=EXPERT_MODES,
                         help="a MoE's experts mode at prefill (the fuse stage measures it; here it is set)")
