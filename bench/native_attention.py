@@ -5,7 +5,9 @@ side in one run.
 The K3 demo model, quantized W8A8 and fused as ``bench/compiled_prefill.py`` does (experts in the sorted
 mode); four contenders run the same ``--batch`` prompts of ``--input-len`` tokens: fp32 eager (the
 baseline's prefill), and the compiled prefill with torch's attention (``sdpa``), with the blocked kernel as
-torch ops (the C++ op turned off while that graph is traced), and with the blocked kernel's C++ op.
+torch ops (the C++ op turned off while that graph is traced), with the blocked kernel's C++ op, and with its
+bf16 variant (kernel ``blocked_bf16``: Q, K, V and the softmax weights rounded to bfloat16 for the two
+products; lossy, which the largest logit difference shows; on CPUs with AVX-512 BF16 only).
 Interleaved rounds; median ms, each contender's ratio to fp32 per round (median and range), and the largest
 difference of each prefill's logits from the ``sdpa`` one's. A figure, not a test:
 
@@ -39,7 +41,12 @@ def main() -> None:
         print(f"native_attention: the C++ op cannot run here: {reason}", file=sys.stderr)
         raise SystemExit(1)
     model = optimized(base, calib, "w8a8", "sorted")
-    contenders = {"sdpa": "sdpa", "blocked, torch ops": "blocked", "blocked, C++ op": "blocked"}
+    contenders = {"sdpa": "sdpa", "blocked, torch ops": "blocked", "blocked, C++ op": "blocked",
+                  "blocked, C++ op, bf16": "blocked_bf16"}
+    if (why := native_attention.bf16_reason(torch.float32, "cpu", base.config.head_dim)) is not None:
+        print(f"native_attention: the bf16 contender is left out: {why}", file=sys.stderr)
+        del contenders["blocked, C++ op, bf16"]
+    ops = {"blocked, C++ op": "opus_attention::causal", "blocked, C++ op, bf16": "opus_attention::causal_bf16"}
     runs = {"fp32 eager": lambda: base(prompts, last_only=True)}
     logits = {}
     for name, kernel in contenders.items():
@@ -57,9 +64,9 @@ def main() -> None:
     for name in contenders:  # what each graph runs, as traced
         with torch.profiler.profile() as prof:
             runs[name]()
-        ran = "opus_attention::causal" in {event.key for event in prof.key_averages()}
-        if ran != (name == "blocked, C++ op"):
-            print(f"native_attention: {name} {'ran' if ran else 'did not run'} the C++ op", file=sys.stderr)
+        ran = {event.key for event in prof.key_averages()} & set(ops.values())
+        if ran != ({ops[name]} if name in ops else set()):
+            print(f"native_attention: {name} ran {sorted(ran) or 'no C++ op'}", file=sys.stderr)
             raise SystemExit(1)
     record: dict = {}
     with recorded(record):

@@ -4,7 +4,9 @@ Candidates come from the registry of cache kinds (``opus.kv.cache.registered_kin
 turns this stage's settings into configs to measure and says why one cannot run for the model.
 Opus's own: the pooled preallocated cache (``prealloc`` × ``step``), the growing cache, the static
 cache whose decode steps run as one compiled graph (``opus.kv.static``; Opus decoders only; once with
-torch's attention and once with Opus's blocked causal attention, ``static_attention``; and with K/V
+torch's attention and once with Opus's blocked causal attention, ``static_attention``, whose bf16 variant
+``blocked_bf16`` races only if the perplexity of a prefill through it is within ``max_kv_ppl_increase`` of
+the model's own attention's; and with K/V
 kept in bfloat16 or int8, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
 is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json; and with
 W8A8 layers taking the int8 GEMM from fewer rows, ``static_w8a8_weight_only_rows``, or through oneDNN's
@@ -47,6 +49,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from opus.errors import InputError
 from opus.kv.cache import KV_CONFIG_FILE
 from opus.kv.step_kernels import packed_kernels
+from opus.models.attention import LOSSY_KERNELS
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.runtime.choose import DEFAULT_ROUNDS, replayed, write_decisions
@@ -86,8 +89,11 @@ class Config(BaseModel):
     static_slot_multiple: int = Field(128, gt=0)  # its slots: request length rounded up to this
     # Its attention kernels, each a candidate of its own: torch's SDPA, and Opus's blocked kernel
     # (opus.models.attention: a causal prefill in query blocks; CPU only).
-    static_attention: list[Literal["sdpa", "blocked"]] = Field(default_factory=lambda: ["sdpa", "blocked"],
-                                                               min_length=1)
+    # ``blocked_bf16``: the blocked kernel's C++ op with its two products in bf16 (AVX-512 BF16; fp32 sums and
+    # softmax): lossy, so it races only if the perplexity of a prefill through it (kv_fidelity.ppl_of_prefill)
+    # is within max_kv_ppl_increase of the model's own attention's.
+    static_attention: list[Literal["sdpa", "blocked", "blocked_bf16"]] = Field(
+        default_factory=lambda: ["sdpa", "blocked"], min_length=1)
     # The dtypes it may keep K/V in, each a candidate: null = the model's; bfloat16/float16 halve the
     # bytes a decode step reads, int8 (a scale per token and head, opus.kv.stored) quarters them; all are
     # lossy: such a cache races only if the perplexity of text decoded through it (teacher-forced,
@@ -262,34 +268,24 @@ def _choice(winners: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def _faithful(ctx: StageContext, model: Any, tokenizer: Any, candidates: list[dict[str, Any]],
               cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """The candidates that keep K/V narrower than the model measured for perplexity through the cache
-    (opus.runtime.kv_fidelity) against the growing cache: (those that may race, those refused with the reason,
-    each lossy cache's figures by label)."""
-    from opus.kv.static import DEFAULT_SLOT_MULTIPLE, cache_config
-    from opus.runtime.kv_fidelity import FIDELITY_LEN, ppl_through_cache, text_or_random
-    from opus.runtime.metrics import vocab_size
-
-    blocks, source = text_or_random(ctx.spec.data.evaluation, tokenizer, ctx.base_dir, vocab_size(model),
-                                    FIDELITY_LEN, cfg.seed)
-    reference = ppl_through_cache(model, blocks, None)
+    """The lossy candidates (K/V kept narrower than the model; a lossy prefill attention kernel) measured for
+    perplexity (opus.runtime.kv_fidelity), each lossy part once: (those that may race, those refused with the
+    reason, each lossy cache's figures by label: its one part's, or both parts' with their increases summed)."""
+    measured: dict[tuple[str, str], dict[str, Any]] = {}
     kept, refused, figures = [], [], {}
-    by_dtype: dict[str, dict[str, Any]] = {}
     for cache in candidates:
-        if not cache.get("kv_dtype"):
+        parts = [part for part in (("kv_dtype", cache.get("kv_dtype")), ("attention", cache.get("attention")))
+                 if part[1] and (part[0] == "kv_dtype" or part[1] in LOSSY_KERNELS)]
+        if not parts:
             kept.append(cache)
             continue
-        if cache["kv_dtype"] not in by_dtype:
-            # What is lossy is the K/V dtype: measured once per dtype, through the same cache's eager steps
-            # (the same attention over the same stored values; no graph compiled for the measurement).
-            measured = cache_config(False, int(cache.get("slot_multiple", DEFAULT_SLOT_MULTIPLE)),
-                                    kv_dtype=cache["kv_dtype"])
-            ppl = ppl_through_cache(model, blocks, measured)
-            change = ppl / reference - 1
-            by_dtype[cache["kv_dtype"]] = {"ppl": ppl, "reference_ppl": reference, "increase": change,
-                                           "text": source, "measured_with": _label(measured)}
-            ctx.log(f"KV cache {_label(measured)}: perplexity through the cache {ppl:.4f} against "
-                    f"{reference:.4f} (growing cache, {source}): {change:+.3%}")
-        figures[_label(cache)] = by_dtype[cache["kv_dtype"]]
+        for part in parts:
+            if part not in measured:
+                measured[part] = _lossy_part(ctx, model, tokenizer, cache, part, cfg.seed)
+        found = [measured[part] for part in parts]
+        figures[_label(cache)] = found[0] if len(found) == 1 else {
+            "increase": sum(f["increase"] for f in found), "parts": found, "text": found[0]["text"],
+            "measured_with": " + ".join(f["measured_with"] for f in found)}
         increase = figures[_label(cache)]["increase"]
         if increase > cfg.max_kv_ppl_increase:
             refused.append({"cache": cache, "skipped": f"perplexity through the cache {increase:+.3%} over the "
@@ -298,6 +294,20 @@ def _faithful(ctx: StageContext, model: Any, tokenizer: Any, candidates: list[di
         else:
             kept.append(cache)
     return kept, refused, figures
+
+
+def _lossy_part(ctx: StageContext, model: Any, tokenizer: Any, cache: dict[str, Any], part: tuple[str, str],
+                seed: int) -> dict[str, Any]:
+    from opus.kv.static import DEFAULT_SLOT_MULTIPLE
+    from opus.runtime.kv_fidelity import measure_lossy_part
+
+    multiple = int(cache.get("slot_multiple", DEFAULT_SLOT_MULTIPLE))
+    figures, config, shape = measure_lossy_part(model, part, multiple, ctx.spec.data.evaluation, tokenizer,
+                                                ctx.base_dir, seed)
+    ctx.log(f"KV cache {_label(config)}: perplexity through the cache {figures['ppl']:.4f} against "
+            f"{figures['reference_ppl']:.4f} (growing cache, {figures['text']}, {shape[0]} × {shape[1]} tokens): "
+            f"{figures['increase']:+.3%}")
+    return {**figures, "measured_with": _label(config)}
 
 
 def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: int, vocab: int, seed: int) -> float:
@@ -343,7 +353,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     replay = source_artifact(ctx, KV_CONFIG_FILE)  # run.decisions_from: that run's caches
     candidates, unavailable = ([], []) if replay else _candidates(cfg, max_ctx, model)
     fidelity: dict[str, Any] = {}
-    if any(c.get("kv_dtype") for c in candidates):
+    if any(c.get("kv_dtype") or c.get("attention") in LOSSY_KERNELS for c in candidates):
         candidates, refused, fidelity = _faithful(ctx, model, loaded.tokenizer, candidates, cfg)
         unavailable += refused
     for row in unavailable:  # never silently: logged, and listed in kv_config.json

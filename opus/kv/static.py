@@ -58,8 +58,8 @@ from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kin
 from opus.kv.compiled_steps import Step, StepKey, Steps, compiled_once
 from opus.kv.step_kernels import PACKED_GEMM, WEIGHT_ONLY_ROWS, describe_packed, has_w8a8, packed_kernels, packed_reason
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
-from opus.models import int8_kv
-from opus.models.attention import DOT, INT8_STORED, check_kernel
+from opus.models import int8_kv, native_attention
+from opus.models.attention import BLOCKED_BF16, DOT, INT8_STORED, check_kernel
 
 KIND = "static"
 PROVIDER = "opus.kv.static"
@@ -357,10 +357,14 @@ class _StaticKind(KindBase):
                 if prefill or "prefill" not in packed_kernels(packed)]  # the eager prefill keeps _int_mm
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
-        if options.get("attention", "sdpa") == "blocked":
-            device = next(iter(model.parameters())).device
-            if device.type != "cpu":
-                return f"the blocked attention kernel is measured on CPUs only; on {device} the cache runs sdpa"
+        if options.get("attention", "sdpa") in ("blocked", BLOCKED_BF16):
+            weight = next(iter(model.parameters()))
+            if weight.device.type != "cpu":
+                return f"the blocked attention kernel is measured on CPUs only; on {weight.device} the cache runs sdpa"
+            if options["attention"] == BLOCKED_BF16:  # else it would race as a second copy of ``blocked``
+                head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+                if reason := native_attention.bf16_reason(weight.dtype, weight.device, head_dim):
+                    return reason
         if options.get(WEIGHT_ONLY_ROWS) is not None and not has_w8a8(model):
             return "the model has no W8A8 layer whose threshold it could set"
         if options.get(PACKED_GEMM):

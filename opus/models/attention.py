@@ -1,4 +1,5 @@
-"""Attention kernels a cache can ask the decoder for (its ``attention``): ``"sdpa"`` or ``"blocked"``.
+"""Attention kernels a cache can ask the decoder for (its ``attention``): ``"sdpa"``, ``"blocked"`` or
+``"blocked_bf16"``.
 
 ``sdpa`` is torch's ``scaled_dot_product_attention`` as ``opus.models.decoder.attend`` calls it.
 ``blocked`` runs a causal prefill from position 0 in blocks of ``CAUSAL_BLOCK`` queries, each block
@@ -12,6 +13,11 @@ Hence a choice the ``kv_config`` stage measures at the workload's shape, never a
 blocks run as one C++ op (opus.models.native_attention: 1.24 against 2.17 ms for these torch ops at batch 1 ×
 512, one layer); elsewhere, or where it did not build, as the torch ops below.
 
+``blocked_bf16`` is the same op with its two products in bf16 (AVX-512 BF16 dot products over Q, K, V and the
+softmax weights rounded to bfloat16; fp32 sums, softmax and output): 0.77 against 1.42 ms a layer on the shape
+above. Lossy, so ``kv_config`` races it only within a perplexity limit (opus.runtime.kv_fidelity). Where it
+cannot run (no AVX-512 BF16, a head size not a multiple of 32, not fp32 on the CPU) the fp32 blocks run.
+
 Every other case (a decode step, a prompt of one block, a prefill after cached tokens) runs ``sdpa``:
 the decode step's masked attention as two matmuls was 0.30 vs 0.71 ms alone at batch 32, yet the
 whole compiled K3 step took the same 6.7 ms either way, so it is not here.
@@ -24,7 +30,9 @@ import torch.nn.functional as F
 
 from opus.models import native_attention
 
-KERNELS = ("sdpa", "blocked")
+BLOCKED_BF16 = "blocked_bf16"  # the blocked kernel's C++ op with bf16 products: lossy, raced only within a ppl limit
+KERNELS = ("sdpa", "blocked", BLOCKED_BF16)
+LOSSY_KERNELS = (BLOCKED_BF16,)
 DOT = "dot"  # a decode step over narrower or int8 K/V (set by the cache's view, not a user's option)
 INT8_STORED = "int8_stored"  # a decode step over int8 K/V as stored (opus.models.int8_kv; set by the cache's view)
 CAUSAL_BLOCK = 64
@@ -37,11 +45,14 @@ def check_kernel(kernel: object) -> str:
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``attend``'s result by the blocked kernel, or None where it does not apply (``sdpa`` then)."""
+                      mask: torch.Tensor | None, bf16: bool = False) -> torch.Tensor | None:
+    """``attend``'s result by the blocked kernel, or None where it does not apply (``sdpa`` then). ``bf16``
+    (kernel ``blocked_bf16``) runs the op's bf16 variant where ``bf16_reason`` allows, else the fp32 blocks:
+    never less exact than asked."""
     if causal and mask is None and q.shape[2] == k.shape[2] and q.shape[2] > CAUSAL_BLOCK:
         if native_attention.reason(q, k, v) is None:
-            return native_attention.causal(q, k, v)
+            bf16 = bf16 and native_attention.bf16_reason(q.dtype, q.device, q.shape[-1]) is None
+            return native_attention.causal(q, k, v, bf16)
         return causal_blocks(q, k, v)
     return None
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from opus.errors import EXIT_INVALID, OpusError
 from opus.models import int8_kv
-from opus.models.attention import DOT, INT8_STORED, blocked_attention, narrow_kv_attention
+from opus.models.attention import BLOCKED_BF16, DOT, INT8_STORED, blocked_attention, narrow_kv_attention
 from opus.models.config import ModelConfig
 
 
@@ -213,7 +213,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, gqa:
         return narrow_kv_attention(q, k, v, mask)
     if narrow:
         k, v = k.to(q.dtype), v.to(q.dtype)  # any other case: the stored values, widened
-    if kernel == "blocked" and (out := blocked_attention(q, k, v, causal, mask)) is not None:
+    if kernel in ("blocked", BLOCKED_BF16) and (out := blocked_attention(q, k, v, causal, mask,
+                                                                         kernel == BLOCKED_BF16)) is not None:
         return out
     t, s = q.shape[2], k.shape[2]
     if mask is not None and gqa:

@@ -17,6 +17,9 @@ fp32 rounding of it (tests/models/test_native_attention.py).
 The output is ``[B, H, T, D]`` as a view of ``[B, T, H, D]`` memory, so the attention block's transpose
 back to the hidden size is free. fp32 on the CPU only; anything else, ``OPUS_NATIVE_OPS=0`` or a failed build
 keeps the blocked kernel's torch ops (``reason`` says why).
+
+The same library holds the op's bf16 variant (opus.models.native_attention_bf16; ``causal(..., bf16=True)``),
+which runs where ``bf16_reason`` says None.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from opus import cpp_build
+from opus.models.native_attention_bf16 import BF16_SOURCE
 
 NAME = "opus_native_attention"
 BLOCK = 64  # query positions per block: the upper triangle's waste within a block is half a block of keys
@@ -43,6 +47,9 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 // Hot loops built for AVX-512, AVX2 and the baseline, picked when the library loads (not -march=native:
 // a cached build must run on whatever CPU later loads it). Other CPUs build them once, for the baseline.
@@ -139,32 +146,33 @@ void block(const Rows& q, const Rows& k, const Rows& v, const Shape& s, int64_t 
   }
 }
 
-at::Tensor causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t block_rows) {
+Shape checked_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "opus_attention: q, k, v must be [B, H, T, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "opus_attention: q, k, v must be fp32");
   const Shape s{q.size(0), q.size(1), k.size(1), q.size(1) / k.size(1), q.size(2), q.size(3)};
   TORCH_CHECK(s.heads % s.kv_heads == 0 && k.sizes() == v.sizes() && k.size(2) == s.tokens && k.size(3) == s.dim,
               "opus_attention: k, v must be [B, KV, T, D] with KV dividing q's heads");
-  at::Tensor out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
-  // Blocks largest first (the last ones see the most keys), shared out as threads come free.
+  return s;
+}
+
+// Every (sequence, KV head, query block) through ``run``: blocks largest first (the last ones see the most
+// keys), shared out as threads come free; each thread keeps its own scratch.
+template <typename Run>
+void over_blocks(const Shape& s, int64_t block_rows, const Run& run) {
   std::vector<std::array<int64_t, 3>> blocks;  // first, batch, kv head
   for (int64_t first = ((s.tokens - 1) / block_rows) * block_rows; first >= 0; first -= block_rows) {
     for (int64_t b = 0; b < s.batch; ++b) {
       for (int64_t kv = 0; kv < s.kv_heads; ++kv) blocks.push_back({first, b, kv});
     }
   }
-  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
-  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
-  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
-  const Rows qr(qc), kr(kc), vr(vc);
-  float* outp = out.data_ptr<float>();
   std::atomic<size_t> next{0};
   auto work = [&](int64_t, int64_t) {
     std::vector<float> scratch;
+    std::vector<uint16_t> halves;
     for (size_t i = next++; i < blocks.size(); i = next++) {
       const auto& [first, b, kv] = blocks[i];
-      block(qr, kr, vr, s, b, kv, first, std::min(block_rows, s.tokens - first), scratch, outp);
+      run(b, kv, first, std::min(block_rows, s.tokens - first), scratch, halves);
     }
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), blocks.size());
@@ -173,16 +181,32 @@ at::Tensor causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   } else {
     work(0, 1);
   }
+}
+
+at::Tensor causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t block_rows) {
+  const Shape s = checked_shape(q, k, v);
+  at::Tensor out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const Rows qr(qc), kr(kc), vr(vc);
+  float* outp = out.data_ptr<float>();
+  over_blocks(s, block_rows, [&](int64_t b, int64_t kv, int64_t first, int64_t rows, std::vector<float>& scratch,
+                                 std::vector<uint16_t>&) { block(qr, kr, vr, s, b, kv, first, rows, scratch, outp); });
   return out.permute({0, 2, 1, 3});
 }
-}  // namespace
+
+""" + BF16_SOURCE + r"""}  // namespace
 
 TORCH_LIBRARY(opus_attention, m) {
   m.def("causal(Tensor q, Tensor k, Tensor v, int block) -> Tensor");
+  m.def("causal_bf16(Tensor q, Tensor k, Tensor v, int block) -> Tensor");
+  m.def("cpu_has_bf16() -> bool", &cpu_has_bf16);
 }
 
 TORCH_LIBRARY_IMPL(opus_attention, CPU, m) {
   m.impl("causal", TORCH_FN(causal));
+  m.impl("causal_bf16", TORCH_FN(causal_bf16));
 }
 """
 
@@ -196,7 +220,7 @@ def load() -> str | None:
     # vectorize; libgomp.so.1 resolves to the copy torch has loaded.
     return cpp_build.load_ops(_STATE, NAME, SOURCE, "the C++ op of the blocked causal attention",
                               ("-O3", "-fopenmp", "-fno-math-errno", "-Wno-psabi"), ("-fopenmp",),
-                              {"opus_attention::causal": _fake})
+                              {"opus_attention::causal": _fake, "opus_attention::causal_bf16": _fake})
 
 
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
@@ -211,6 +235,31 @@ def reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     return load()
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of ``q [B, H, T, D]`` over its own ``k, v [B, KV, T, D]`` (``reason`` said None)."""
+def bf16_reason(dtype: torch.dtype, device: torch.device | str, head_dim: int | None) -> str | None:
+    """Why the op's bf16 variant cannot run a model of this dtype, device and head size here, or None."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return f"the bf16 attention op runs fp32 models on the CPU, not {dtype} on {torch.device(device).type}"
+    if head_dim is None or head_dim % 32:
+        return f"the bf16 attention op takes a head size that is a multiple of 32, not {head_dim}"
+    if (why := load()) is not None:
+        return why
+    if not cpu_has_bf16():
+        return "this CPU has no AVX-512 BF16 (the bf16 attention op's dot products)"
+    return None
+
+
+@torch.compiler.assume_constant_result
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs the bf16 variant (AVX-512 BF16, BW, VL, DQ); the op is loaded (load() said None)."""
+    if "bf16" not in _STATE:
+        _STATE["bf16"] = bool(torch.ops.opus_attention.cpu_has_bf16())
+    return bool(_STATE["bf16"])
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """Causal attention of ``q [B, H, T, D]`` over its own ``k, v [B, KV, T, D]`` (``reason`` said None; with
+    ``bf16``, ``bf16_reason`` too): fp32 throughout, or Q, K, V and the softmax weights rounded to bfloat16 for
+    the two products (fp32 sums, softmax and output)."""
+    if bf16:
+        return torch.ops.opus_attention.causal_bf16(q, k, v, BLOCK)
     return torch.ops.opus_attention.causal(q, k, v, BLOCK)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from opus.models import native_attention
 from opus.models.attention import causal_blocks
 from opus.models.decoder import attend
-from tests.native_kit import built_or_skip
+from tests.native_kit import built_or_skip, on_threads
 
 
 @pytest.fixture(autouse=True)
@@ -41,15 +41,8 @@ def test_the_op_gives_torchs_causal_attention(shape: tuple[int, ...]) -> None:
 
 def test_the_same_bits_on_one_thread_and_two() -> None:
     q, k, v = qkv(2, 8, 2, 300, 32)
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(native_attention.causal(q, k, v))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(results[0], results[1])
+    first, second = on_threads(lambda: native_attention.causal(q, k, v))
+    assert torch.equal(first, second)
 
 
 def test_the_decoders_blocked_kernel_runs_the_op_and_torchs_ops_where_it_cannot(monkeypatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from fusion_project import context, make_project
 
 from opus.fusion import GroupedMoE
@@ -198,6 +199,37 @@ def test_a_lossy_cache_races_only_within_its_perplexity_limit(tmp_path, monkeypa
     first, second = report["kv_fidelity"].values()
     assert first == second and "compile False" in first["measured_with"]
     assert result.metrics["kv_ppl_increase"] == 0.0  # nothing chosen keeps K/V narrower
+
+
+def test_the_bf16_attention_races_only_within_its_prefill_perplexity_limit(tmp_path, monkeypatch):
+    from opus.models import native_attention
+    from opus.runtime import kv_fidelity as fidelity
+
+    model = {"factory": "fusion_kit:tiny_lm", "args": {"family": "llama", "head_dim": 32}}
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], model=model)
+    settings = {**SMALL, "batch_sizes": [2], "include_growing": False, "static_attention": ["blocked", "blocked_bf16"]}
+    real, measured = fidelity.ppl_of_prefill, []
+
+    def worse(m, b, c):  # the bf16 prefill made 3 % worse: refused before any race
+        measured.append((c, b.shape))
+        return real(m, b, c) * (1.03 if c else 1.0)
+
+    monkeypatch.setattr(fidelity, "ppl_of_prefill", worse)
+    result = kv_config.run(context(pipeline, tmp_path / "a", "kv"), kv_config.Config(**settings))
+    report = json.loads((tmp_path / "a" / "artifacts" / "kv_config.json").read_text())
+    assert [c["cache"].get("attention") for c in report["candidates"] if c["cache"]["kind"] == "static"] == ["blocked"]
+    [refused] = [u for u in report["unavailable"] if u["cache"].get("attention") == "blocked_bf16"]
+    if (why := native_attention.bf16_reason(torch.float32, "cpu", 32)) is not None:  # this CPU cannot run it
+        assert refused["skipped"] == why and measured == []
+        return
+    assert "beyond max_kv_ppl_increase 0.500%" in refused["skipped"]
+    # Measured once, through the eager prefill (no graph compiled for it), on blocks as long as the model's
+    # 256 positions allow (random ids: this project has no evaluation text), against the model's own attention.
+    assert [(c and c["compile"], shape) for c, shape in measured] == [(None, (8, 256)), (False, (8, 256))]
+    [figures] = report["kv_fidelity"].values()
+    assert figures["increase"] == pytest.approx(0.03, abs=0.01) and figures["text"] == "random token ids"
+    assert "attention blocked_bf16" in figures["measured_with"]
+    assert result.metrics["kv_ppl_increase"] == 0.0  # nothing chosen is lossy
 
 
 def test_a_packed_gemm_per_phase_is_accepted_and_a_wrong_one_is_named():
