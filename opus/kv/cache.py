@@ -55,7 +55,8 @@ class KVCache(Protocol):
     # bucket); ``last_index`` is set only on the view that step passes: where the last real token is.
     prefills_itself: bool
     last_index: torch.Tensor | None
-    # The attention kernel the model runs with this cache: "sdpa", or "blocked" (opus.models.attention).
+    # The attention kernel the model runs with this cache: "sdpa", "blocked" or "blocked_bf16"
+    # (opus.models.attention).
     attention: str
 
     def stored_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

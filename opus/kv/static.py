@@ -329,7 +329,8 @@ class _StaticKind(KindBase):
     def describe(self, options: dict[str, Any]) -> str:
         compiled = [what for what, key, default in (("prefill", "compile_prefill", False), ("decode", "compile", True))
                     if options.get(key, default)]
-        kernel = ", blocked attention" if options.get("attention", "sdpa") == "blocked" else ""
+        kernel = {"blocked": ", blocked attention", BLOCKED_BF16: ", blocked attention in bf16"}.get(
+            options.get("attention", "sdpa"), "")
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
         rows = options.get(WEIGHT_ONLY_ROWS)
         gemm = f", W8A8 int8 GEMMs from {rows + 1} row{'s' if rows else ''}" if rows is not None else ""
@@ -338,7 +339,8 @@ class _StaticKind(KindBase):
         return head + kernel + narrow + gemm + packed
 
     def simplicity_of(self, options: dict[str, Any]) -> int:
-        blocked = options.get("attention", "sdpa") == "blocked"
+        # The bf16 kernel ranks below the exact one: among candidates tied on speed the exact one wins.
+        blocked = {"blocked": 1, BLOCKED_BF16: 2}.get(options.get("attention", "sdpa"), 0)
         rows = options.get(WEIGHT_ONLY_ROWS) is not None
         return (self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype")) + rows
                 + bool(options.get(PACKED_GEMM)))

@@ -247,7 +247,15 @@ def test_blocked_attention_is_a_candidate_of_its_own_and_only_on_a_cpu():
     options = {"attention": "blocked"}
     assert STATIC.unavailable(tiny_lm("llama"), options) is None
     assert "measured on CPUs only; on meta" in STATIC.unavailable(tiny_lm("llama").to("meta"), options)
-    with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, got 'flash'"):
+    # Its bf16 variant ranks below it, and is unavailable where it could only run as a copy of it.
+    lossy = STATIC.candidates({"static_attention": ["blocked_bf16"]})
+    assert [describe_cache(c) for c in lossy] == ["static, compiled decode, blocked attention in bf16"]
+    assert [STATIC.simplicity_of(c) for c in lossy] == [4]
+    assert STATIC.unavailable(tiny_lm("llama"), {"attention": "blocked_bf16"}) == (
+        "the bf16 attention op takes a head size that is a multiple of 32, not 8")
+    assert "measured on CPUs only; on meta" in STATIC.unavailable(tiny_lm("llama").to("meta"),
+                                                                  {"attention": "blocked_bf16"})
+    with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, blocked_bf16, got 'flash'"):
         cache_factory(tiny_lm("llama"), cache_config() | {"attention": "flash"})(1, 8)
 
 

@@ -36,7 +36,7 @@ def test_cases_the_kernel_does_not_cover_fall_back_to_sdpa():
 
 
 def test_an_unknown_kernel_is_named():
-    with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, got 'flash'"):
+    with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, blocked_bf16, got 'flash'"):
         check_kernel("flash")
 
 
