@@ -215,19 +215,27 @@ def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]],
 
 def _first_token_among_tied(decision: Any, options: list[Any], prefill_s: dict[str, list[float]]) -> Any:
     """Among the caches tied on the request's time, the one with the shortest time to first token (the
-    shared rule over the prefills of the same rounds; tied again, the simpler). The request's decision
-    then names it, and its reason says why."""
-    from opus.runtime.choose import decide_from
+    shared rule over the prefills of the same rounds; tied again, the simpler, unless another prefilled faster
+    in every round: choose.faster_every_round). The request's decision then names it, and its reason says why."""
+    from opus.runtime.choose import decide_from, faster_every_round
 
     tied = [o for o in options if o.name in decision.tied]
     first_token = decide_from(f"time to first token, among the KV caches tied {decision.what[len('KV cache '):]}",
                               tied, prefill_s)
+    # The margin is each cache's spread over the rounds: a machine slowing down part-way widens it though
+    # every cache slowed alike. A cache whose prefill was shorter than the pick's in every round is faster.
+    paired = faster_every_round(first_token)
+    if paired is not None:
+        first_token.reason += (f"; but {paired[0]} prefilled faster than {first_token.winner} in every one of the "
+                               f"{len(prefill_s[paired[0]])} rounds (median ratio ×{paired[1]:.3f}), so it serves")
+        first_token.winner = paired[0]
     if first_token.winner != decision.winner:
         fastest = min(decision.medians, key=lambda n: (decision.medians[n], n))
         where = ("fastest" if first_token.winner == fastest
                  else f"tied with the fastest ({fastest})")
+        how = "a shorter time to first token in every round" if paired else "the shortest time to first token"
         decision.reason = (f"{where}; of the {len(tied)} tied within the {decision.margin:.1%} noise margin, "
-                           f"the shortest time to first token ({first_token.medians[first_token.winner] * 1e3:.2f}"
+                           f"{how} ({first_token.medians[first_token.winner] * 1e3:.2f}"
                            f" against {first_token.medians[decision.winner] * 1e3:.2f} ms for the simpler "
                            f"{decision.winner})")
         decision.winner = first_token.winner

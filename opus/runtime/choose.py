@@ -18,6 +18,10 @@ kv_config stage's cache, the fuse stage's compile choice) is decided here, by on
    an option other than the fastest, the same number of rounds is run once more and the rule applied
    to all of them (a burst of another process passes; the reason says so). Never more than once.
 
+``faster_every_round`` is a paired check on top that a caller may add (kv_config's time to first token):
+an option tied with the winner that was faster in every one of at least five rounds, by a median ratio of
+at least ``MIN_MARGIN``, is faster beyond the noise even when drift widened the margin.
+
 A ``Decision`` keeps the rounds, medians, margin, tied set, winner and reason; stages write their
 decisions to ``decisions.json`` (``write_decisions``) and the report shows them.
 """
@@ -37,6 +41,7 @@ DECISIONS_FILE = "decisions.json"
 DEFAULT_ROUNDS = 5  # with 5 rounds the IQR ignores one outlier round on either side
 MIN_MARGIN = 0.02
 WIDE_MARGIN = 0.10  # above this, a pick made by the tie-break alone is measured once more (rule 5)
+PAIRED_ROUNDS = 5  # faster_every_round: rounds a paired comparison needs
 # An option that lost a tie is counted this much slower than the winner, so that a solver adding up
 # times (the planner's knapsack) prefers the winner wherever both fit.
 NUDGE = 1e-6
@@ -171,6 +176,31 @@ def decide_from(what: str, options: Iterable[Option], samples: dict[str, list[fl
     fastest, tied, winner = _first_tier(medians, margin, by_name)
     return Decision(what, unit, {n: list(samples[n]) for n in by_name}, medians, margin, tied, winner,
                     _reason(fastest, tied, winner, margin, by_name), by_name)
+
+
+def faster_every_round(decision: Decision) -> tuple[str, float] | None:
+    """Of the options tied with the winner, one that was faster than the winner in every round, by a median
+    ratio of at least ``MIN_MARGIN``, and is no less accurate: (its name, that median ratio), the lowest such
+    ratio where several were; None where none was, or under ``PAIRED_ROUNDS`` rounds.
+
+    Round i of every option ran back to back (rule 1), so a machine that slowed down part-way widens each
+    option's IQR, and with it the margin, yet moves both sides of a round's ratio alike. An option as fast as
+    the winner beats it in all of ``PAIRED_ROUNDS`` rounds one time in 2^5."""
+    base = decision.samples.get(decision.winner, [])
+    if len(base) < PAIRED_ROUNDS or min(base) <= 0:
+        return None
+    error = decision.options[decision.winner].error if decision.winner in decision.options else 0.0
+    found: list[tuple[float, str]] = []
+    for name in decision.tied:
+        taken = decision.samples.get(name, [])
+        if name == decision.winner or len(taken) != len(base):
+            continue
+        if name in decision.options and decision.options[name].error > error:
+            continue
+        ratios = [t / b for t, b in zip(taken, base)]
+        if max(ratios) < 1 and statistics.median(ratios) <= 1 - MIN_MARGIN:
+            found.append((statistics.median(ratios), name))
+    return (min(found)[1], min(found)[0]) if found else None
 
 
 def decide(what: str, options: list[Option], rounds: int = DEFAULT_ROUNDS, *, warmup: int = 1,

@@ -13,6 +13,8 @@ from opus.runtime.choose import (
     Option,
     credible,
     decide,
+    decide_from,
+    faster_every_round,
     interleave,
     noise_margin,
     relative_spread,
@@ -160,3 +162,22 @@ def test_a_calm_tie_or_a_fastest_winner_is_not_measured_again() -> None:
     noisy, calls = fixed({"a": [9.0, 1.0, 1.5, 0.7, 1.4, 1.0], "b": [9.0, 1.2, 1.8, 0.9, 1.6, 1.2]})
     d = decide("x", noisy, 5, timer=reported)  # equally simple: the fastest wins the tie, nothing to repeat
     assert d.winner == "a" and len(calls) == 12
+
+
+def test_faster_every_round_is_a_paired_comparison_with_the_winner():
+    options = [Option("simple", simplicity=0), Option("lossy", simplicity=2, error=0.1), Option("fast", simplicity=1),
+               Option("faster", simplicity=1)]
+    drift = [1.0, 1.0, 1.5, 1.5, 1.5]  # the machine slowed down after two rounds
+    samples = {"simple": drift, "lossy": [t * 0.8 for t in drift], "fast": [t * 0.9 for t in drift],
+               "faster": [t * 0.85 for t in drift[:4]] + [1.6]}
+    decision = decide_from("which", options, samples)
+    assert set(decision.tied) == set(samples) and decision.winner == "simple"  # the margin drift made
+    # "faster" lost the last round, "lossy" is less accurate: "fast" beat the winner in every round.
+    assert faster_every_round(decision) == ("fast", pytest.approx(0.9))
+    samples["faster"] = [t * 0.85 for t in drift]
+    assert faster_every_round(decide_from("which", options, samples)) == ("faster", pytest.approx(0.85))
+    # Faster in every round by less than MIN_MARGIN, or over fewer than PAIRED_ROUNDS rounds: no.
+    close = {"simple": drift, "fast": [t * 0.99 for t in drift]}
+    assert faster_every_round(decide_from("which", options[::2], close)) is None
+    short = {name: values[:4] for name, values in samples.items()}
+    assert faster_every_round(decide_from("which", options, short)) is None

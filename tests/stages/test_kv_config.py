@@ -82,6 +82,30 @@ def test_a_tie_on_the_request_goes_to_the_shorter_time_to_first_token():
     assert request.winner == "eager prefill" and "first token" not in request.reason
 
 
+def test_a_prefill_faster_in_every_round_wins_a_tie_that_drift_made():
+    from opus.runtime.choose import Option, decide_from
+
+    # The machine slowed down after the second round: every cache's spread, and so the margin, grew wide,
+    # yet the compiled prefill was the shorter in every round (as in a K3 demo on a 2-core EPYC).
+    options = [Option("eager prefill", simplicity=2), Option("compiled prefill", simplicity=3)]
+    request = decide_from("KV cache at batch 1", options, {"eager prefill": [0.10, 0.10, 0.12, 0.12, 0.12],
+                                                           "compiled prefill": [0.10, 0.10, 0.12, 0.12, 0.12]})
+    first_token = kv_config._first_token_among_tied(
+        request, options, {"eager prefill": [0.012, 0.012, 0.0165, 0.0165, 0.016],
+                           "compiled prefill": [0.010, 0.0105, 0.014, 0.0145, 0.0138]})
+    assert first_token.margin > 0.16  # the medians (16.0 against 13.8 ms) are within it
+    assert request.winner == first_token.winner == "compiled prefill"
+    assert first_token.reason.endswith("; but compiled prefill prefilled faster than eager prefill in every one of "
+                                       "the 5 rounds (median ratio ×0.862), so it serves")
+    assert request.reason == ("fastest; of the 2 tied within the 16.7% noise margin, a shorter time to first token "
+                              "in every round (13.80 against 16.00 ms for the simpler eager prefill)")
+    # Faster in four rounds of five: within the noise, the simpler keeps it.
+    request = decide_from("KV cache at batch 1", options, {"eager prefill": [0.10] * 5, "compiled prefill": [0.10] * 5})
+    kv_config._first_token_among_tied(request, options, {"eager prefill": [0.012, 0.012, 0.0165, 0.0165, 0.016],
+                                                         "compiled prefill": [0.010, 0.0105, 0.014, 0.0145, 0.0166]})
+    assert request.winner == "eager prefill"
+
+
 def test_an_earlier_runs_caches_are_replayed(tmp_path):
     pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
     earlier = tmp_path / "earlier" / "artifacts" / "kv"
