@@ -137,7 +137,7 @@ template <int R> struct ValuesTile {
 // 2^x for x in [-126, 0] (x = n + f, |f| <= 1/2; 2^f by its degree-5 Taylor polynomial: relative error
 // under 3e-6, far below bfloat16's 4e-3).
 OPUS_BF16 inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+  x = _mm512_max_ps(_mm512_set1_ps(-126.0f), x);  // a NaN score stays NaN (max returns its second operand)
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558e-3f);

@@ -46,6 +46,14 @@ def test_the_bf16_op_gives_attention_over_bf16_inputs(shape: tuple[int, ...]) ->
     assert torch.equal(native_attention.causal(q.contiguous(), k.contiguous(), v.contiguous(), bf16=True), out)
 
 
+def test_a_nan_key_makes_the_rows_that_see_it_nan_as_torchs_attention_does() -> None:
+    q, k, v = (t.contiguous() for t in qkv(1, 8, 2, 200, 32))
+    k[0, 1, 150, 3] = float("nan")
+    out, want = native_attention.causal(q, k, v, bf16=True), sdpa(q, k, v)
+    assert torch.equal(out.isnan(), want.isnan()) and out[0, 4:, 150:].isnan().all()
+    assert not out[0, :4].isnan().any() and not out[0, 4:, :150].isnan().any()
+
+
 def test_the_same_bits_on_one_thread_and_two() -> None:
     q, k, v = qkv(2, 8, 2, 300, 64)
     first, second = on_threads(lambda: native_attention.causal(q, k, v, bf16=True))
