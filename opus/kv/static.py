@@ -363,8 +363,8 @@ class _StaticKind(KindBase):
             weight = next(iter(model.parameters()))
             if weight.device.type != "cpu":
                 return f"the blocked attention kernel is measured on CPUs only; on {weight.device} the cache runs sdpa"
-            if options["attention"] == BLOCKED_BF16:  # else it would race as a second copy of ``blocked``
-                head_dim = getattr(getattr(model, "config", None), "head_dim", None)
+            if options["attention"] == BLOCKED_BF16 and decoder_reason(model) is None:  # else a copy of ``blocked``
+                head_dim = getattr(model.config, "head_dim", None)
                 if reason := native_attention.bf16_reason(weight.dtype, weight.device, head_dim):
                     return reason
         if options.get(WEIGHT_ONLY_ROWS) is not None and not has_w8a8(model):

@@ -255,6 +255,8 @@ def test_blocked_attention_is_a_candidate_of_its_own_and_only_on_a_cpu():
         "the bf16 attention op takes a head size that is a multiple of 32, not 8")
     assert "measured on CPUs only; on meta" in STATIC.unavailable(tiny_lm("llama").to("meta"),
                                                                   {"attention": "blocked_bf16"})
+    assert STATIC.unavailable(torch.nn.Linear(4, 4), {"attention": "blocked_bf16"}) == (
+        "Linear is not an Opus decoder, which alone hands decode steps to the cache")
     with pytest.raises(ValueError, match="attention must be one of sdpa, blocked, blocked_bf16, got 'flash'"):
         cache_factory(tiny_lm("llama"), cache_config() | {"attention": "flash"})(1, 8)
 
