@@ -282,8 +282,7 @@ def _faithful(ctx: StageContext, model: Any, tokenizer: Any, candidates: list[di
     measured: dict[tuple[str, str], dict[str, Any]] = {}
     kept, refused, figures = [], [], {}
     for cache in candidates:
-        parts = [part for part in (("kv_dtype", cache.get("kv_dtype")), ("attention", cache.get("attention")))
-                 if part[1] and (part[0] == "kv_dtype" or part[1] in LOSSY_KERNELS)]
+        parts = _lossy_parts(cache)
         if not parts:
             kept.append(cache)
             continue
@@ -296,12 +295,18 @@ def _faithful(ctx: StageContext, model: Any, tokenizer: Any, candidates: list[di
             "measured_with": " + ".join(f["measured_with"] for f in found)}
         increase = figures[_label(cache)]["increase"]
         if increase > cfg.max_kv_ppl_increase:
-            refused.append({"cache": cache, "skipped": f"perplexity through the cache {increase:+.3%} over the "
-                                                       f"growing cache's, beyond max_kv_ppl_increase "
-                                                       f"{cfg.max_kv_ppl_increase:.3%}"})
+            refused.append({"cache": cache, "skipped": f"perplexity {increase:+.3%} against the exact one's "
+                                                       f"({figures[_label(cache)]['measured_with']}), beyond "
+                                                       f"max_kv_ppl_increase {cfg.max_kv_ppl_increase:.3%}"})
         else:
             kept.append(cache)
     return kept, refused, figures
+
+
+def _lossy_parts(cache: dict[str, Any]) -> list[tuple[str, str]]:
+    """What makes ``cache`` lossy: ("kv_dtype", its dtype), ("attention", a lossy kernel), both or neither."""
+    return [part for part in (("kv_dtype", cache.get("kv_dtype")), ("attention", cache.get("attention")))
+            if part[1] and (part[0] == "kv_dtype" or part[1] in LOSSY_KERNELS)]
 
 
 def _lossy_part(ctx: StageContext, model: Any, tokenizer: Any, cache: dict[str, Any], part: tuple[str, str],
@@ -312,8 +317,9 @@ def _lossy_part(ctx: StageContext, model: Any, tokenizer: Any, cache: dict[str, 
     multiple = int(cache.get("slot_multiple", DEFAULT_SLOT_MULTIPLE))
     figures, config, shape = measure_lossy_part(model, part, multiple, ctx.spec.data.evaluation, tokenizer,
                                                 ctx.base_dir, seed)
+    exact = "growing cache" if part[0] == "kv_dtype" else "the model's own attention, one prefill"
     ctx.log(f"KV cache {_label(config)}: perplexity through the cache {figures['ppl']:.4f} against "
-            f"{figures['reference_ppl']:.4f} (growing cache, {figures['text']}, {shape[0]} × {shape[1]} tokens): "
+            f"{figures['reference_ppl']:.4f} ({exact}, {figures['text']}, {shape[0]} × {shape[1]} tokens): "
             f"{figures['increase']:+.3%}")
     return {**figures, "measured_with": _label(config)}
 
@@ -361,7 +367,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     replay = source_artifact(ctx, KV_CONFIG_FILE)  # run.decisions_from: that run's caches
     candidates, unavailable = ([], []) if replay else _candidates(cfg, max_ctx, model)
     fidelity: dict[str, Any] = {}
-    if any(c.get("kv_dtype") or c.get("attention") in LOSSY_KERNELS for c in candidates):
+    if any(_lossy_parts(c) for c in candidates):
         candidates, refused, fidelity = _faithful(ctx, model, loaded.tokenizer, candidates, cfg)
         unavailable += refused
     for row in unavailable:  # never silently: logged, and listed in kv_config.json

@@ -114,6 +114,9 @@ struct Rows {
   float* row(int64_t b, int64_t h, int64_t t) const { return data + b * batch + h * head + t * token; }
 };
 
+// ``x`` itself where its rows (last dimension) are contiguous, as Rows reads them; else a contiguous copy.
+at::Tensor rows_contiguous(const at::Tensor& x) { return x.stride(3) == 1 ? x : x.contiguous(); }
+
 // Query positions [first, first + rows) of KV head ``kv`` in sequence ``b``: every head of its group.
 void block(const Rows& q, const Rows& k, const Rows& v, const Shape& s, int64_t b, int64_t kv, int64_t first,
            int64_t rows, std::vector<float>& scratch, float* out) {
@@ -186,9 +189,7 @@ void over_blocks(const Shape& s, int64_t block_rows, const Run& run) {
 at::Tensor causal(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t block_rows) {
   const Shape s = checked_shape(q, k, v);
   at::Tensor out = at::empty({s.batch, s.tokens, s.heads, s.dim}, q.options());
-  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
-  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
-  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor qc = rows_contiguous(q), kc = rows_contiguous(k), vc = rows_contiguous(v);
   const Rows qr(qc), kr(kc), vr(vc);
   float* outp = out.data_ptr<float>();
   over_blocks(s, block_rows, [&](int64_t b, int64_t kv, int64_t first, int64_t rows, std::vector<float>& scratch,

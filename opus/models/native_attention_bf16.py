@@ -20,7 +20,6 @@ BF16_SOURCE = r"""
 // rounded to bfloat16, the scores, the softmax and the output in fp32. Lossy: kv_config measures its perplexity.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define OPUS_BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-#define OPUS_HAS_BF16_BUILD 1
 
 bool cpu_has_bf16() {
   __builtin_cpu_init();
@@ -44,15 +43,13 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // One (sequence, KV head)'s keys and values in bf16, laid out for the dot products: keys in tiles of 16,
 // each tile [D/2][16 keys][2 dims]; values in key pairs, [T/2][D][2 keys]. Keys past T are zero.
 struct Packed {
-  int64_t padded, dim;
   std::vector<uint16_t> keys, values;
 };
 
 void pack(const Rows& k, const Rows& v, int64_t b, int64_t kv, int64_t tokens, int64_t d, Packed& out) {
-  out.padded = round_up(tokens, KEYS);
-  out.dim = d;
-  out.keys.assign(out.padded * d, 0);
-  out.values.assign(out.padded * d, 0);
+  const int64_t padded = round_up(tokens, KEYS);
+  out.keys.assign(padded * d, 0);
+  out.values.assign(padded * d, 0);
   for (int64_t j = 0; j < tokens; ++j) {
     const float* key = k.row(b, kv, j);
     const float* value = v.row(b, kv, j);
@@ -67,47 +64,51 @@ void pack(const Rows& k, const Rows& v, int64_t b, int64_t kv, int64_t tokens, i
 
 // Scores of R stacked query rows (bf16 pairs, ``qs`` apart) against the 32 keys of two tiles.
 template <int R>
-OPUS_BF16 void scores_tile(const uint32_t* q, int64_t qs, const uint16_t* tiles, int64_t d, float* s, int64_t ss) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint16_t* second = tiles + 16 * d;
-  for (int64_t p = 0; p < d / 2; ++p) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tiles + p * 32);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(second + p * 32);
+struct ScoresTile {
+  OPUS_BF16 static void run(const uint32_t* q, int64_t qs, const uint16_t* tiles, int64_t d, float* s, int64_t ss) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const uint16_t* second = tiles + 16 * d;
+    for (int64_t p = 0; p < d / 2; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(tiles + p * 32);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(second + p * 32);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * qs + p]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qp, k0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qp, k1);
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * qs + p]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qp, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qp, k1);
+      _mm512_storeu_ps(s + r * ss, acc[r][0]);
+      _mm512_storeu_ps(s + r * ss + 16, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(s + r * ss, acc[r][0]);
-    _mm512_storeu_ps(s + r * ss + 16, acc[r][1]);
-  }
-}
+};
 
 // Weighted values of R rows (bf16 weights, ``ps`` apart) over ``pairs`` key pairs, dims [c, c + 32).
 template <int R>
-OPUS_BF16 void values_tile(const uint16_t* p, int64_t ps, const uint16_t* values, int64_t d, int64_t c,
-                           int64_t pairs, float* o, int64_t os) {
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < pairs; ++j) {
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(values + (j * d + c) * 2);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(values + (j * d + c + 16) * 2);
+struct ValuesTile {
+  OPUS_BF16 static void run(const uint16_t* p, int64_t ps, const uint16_t* values, int64_t d, int64_t c,
+                            int64_t pairs, float* o, int64_t os) {
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < pairs; ++j) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(values + (j * d + c) * 2);
+      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(values + (j * d + c + 16) * 2);
+      for (int r = 0; r < R; ++r) {
+        uint32_t w;
+        std::memcpy(&w, p + r * ps + 2 * j, 4);
+        const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wp, v0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], wp, v1);
+      }
+    }
     for (int r = 0; r < R; ++r) {
-      uint32_t w;
-      std::memcpy(&w, p + r * ps + 2 * j, 4);
-      const __m512bh wp = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wp, v0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], wp, v1);
+      _mm512_storeu_ps(o + r * os + c, acc[r][0]);
+      _mm512_storeu_ps(o + r * os + c + 16, acc[r][1]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(o + r * os + c, acc[r][0]);
-    _mm512_storeu_ps(o + r * os + c + 16, acc[r][1]);
-  }
-}
+};
 
 template <template <int> class Call, typename... Args>
 void by_rows(int64_t rows, Args... args) {  // Call<R>::run for R = rows (1 to CHUNK)
@@ -122,17 +123,6 @@ void by_rows(int64_t rows, Args... args) {  // Call<R>::run for R = rows (1 to C
     default: Call<1>::run(args...); break;
   }
 }
-template <int R> struct ScoresTile {
-  static void run(const uint32_t* q, int64_t qs, const uint16_t* t, int64_t d, float* s, int64_t ss) {
-    scores_tile<R>(q, qs, t, d, s, ss);
-  }
-};
-template <int R> struct ValuesTile {
-  static void run(const uint16_t* p, int64_t ps, const uint16_t* v, int64_t d, int64_t c, int64_t n, float* o,
-                  int64_t os) {
-    values_tile<R>(p, ps, v, d, c, n, o, os);
-  }
-};
 
 // 2^x for x in [-126, 0] (x = n + f, |f| <= 1/2; 2^f by its degree-5 Taylor polynomial: relative error
 // under 3e-6, far below bfloat16's 4e-3).
@@ -198,17 +188,15 @@ void block_bf16(const Rows& q, const std::vector<Packed>& packed, const Shape& s
     for (int64_t r = r0; r < r0 + n; ++r) most = std::max(most, visible(r));
     for (int64_t key = 0; key < most; key += KEYS) {
       by_rows<ScoresTile>(n, reinterpret_cast<const uint32_t*>(qb + r0 * d), d / 2,
-                          static_cast<const uint16_t*>(kvp.keys.data() + key * d), d, scores + r0 * width + key,
-                          width);
+                          kvp.keys.data() + key * d, d, scores + r0 * width + key, width);
     }
     for (int64_t r = r0; r < r0 + n; ++r) {
       inverse[r] = 1.0f / softmax_row_bf16(scores + r * width, visible(r), pairs_width, scale,
                                            weights + r * pairs_width);
     }
     for (int64_t c = 0; c < d; c += 32) {
-      by_rows<ValuesTile>(n, static_cast<const uint16_t*>(weights + r0 * pairs_width), pairs_width,
-                          static_cast<const uint16_t*>(kvp.values.data()), d, c, (most + 1) / 2,
-                          o + r0 * d, d);
+      by_rows<ValuesTile>(n, weights + r0 * pairs_width, pairs_width,
+                          kvp.values.data(), d, c, (most + 1) / 2, o + r0 * d, d);
     }
   }
   for (int64_t r = 0; r < stacked; ++r) {  // out is [B, T, H, D]
@@ -221,9 +209,7 @@ at::Tensor causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK(cpu_has_bf16(), "opus_attention: causal_bf16 needs AVX-512 BF16, which this CPU lacks");
   const Shape s = checked_shape(q, k, v);
   TORCH_CHECK(s.dim % 32 == 0, "opus_attention: causal_bf16 needs a head size that is a multiple of 32");
-  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
-  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
-  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  const at::Tensor qc = rows_contiguous(q), kc = rows_contiguous(k), vc = rows_contiguous(v);
   const Rows qr(qc), kr(kc), vr(vc);
   std::vector<Packed> packed(s.batch * s.kv_heads);
   at::parallel_for(0, s.batch * s.kv_heads, 1, [&](int64_t from, int64_t to) {

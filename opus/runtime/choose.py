@@ -198,9 +198,12 @@ def faster_every_round(decision: Decision) -> tuple[str, float] | None:
         if name in decision.options and decision.options[name].error > error:
             continue
         ratios = [t / b for t, b in zip(taken, base)]
-        if max(ratios) < 1 and statistics.median(ratios) <= 1 - MIN_MARGIN:
-            found.append((statistics.median(ratios), name))
-    return (min(found)[1], min(found)[0]) if found else None
+        if max(ratios) < 1 and (ratio := statistics.median(ratios)) <= 1 - MIN_MARGIN:
+            found.append((ratio, name))
+    if not found:
+        return None
+    ratio, name = min(found)
+    return name, ratio
 
 
 def decide(what: str, options: list[Option], rounds: int = DEFAULT_ROUNDS, *, warmup: int = 1,
