@@ -27,6 +27,7 @@ decoder reads them directly and never probes a cache with ``hasattr``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -386,8 +387,20 @@ class _ByBatchKind(KindBase):
         parts = [f"{describe_cache(r.get('cache'))} up to batch {r['up_to']}" for r in rules if "up_to" in r]
         return "; ".join([*parts, f"{describe_cache(rules[-1].get('cache'))} above"]) if rules else BY_BATCH
 
+    def unavailable(self, model: torch.nn.Module, options: dict[str, Any]) -> str | None:
+        rules = options.get("rules") or []
+        reasons = [(rule.get("up_to"), why) for rule in rules if (why := unavailable_for(model, rule.get("cache")))]
+        return "; ".join(f"{'up to batch ' + str(up_to) if up_to else 'above'}: {why}"
+                         for up_to, why in reasons) or None
+
 
 register_kind(_ByBatchKind())
+
+
+def unavailable_for(model: torch.nn.Module, config: dict[str, Any] | None) -> str | None:
+    """Why ``config``'s cache cannot run as configured for ``model`` here (``CacheKind.unavailable``), or None."""
+    options = dict(config or {})
+    return kind_of(options.pop("kind", DEFAULT_KIND), options.pop("provider", None)).unavailable(model, options)
 
 
 def cache_factory(model: torch.nn.Module, config: dict[str, Any] | None = None) -> CacheFactory:
@@ -418,7 +431,10 @@ def cache_config_from_recipe(recipe: list[dict[str, Any]] | None) -> dict[str, A
 
 @register_transform(RECIPE_KIND, provider_module="opus.kv.cache")
 def _apply_kv_cache_step(model: Any, step: dict[str, Any]) -> Any:
-    """A KV cache choice changes no weights: rebuilding a state only checks the kind can be built."""
+    """A KV cache choice changes no weights: rebuilding a state checks the kind can be built, and says so
+    where the cache cannot run here as the run measured it (another CPU or device: it runs a fallback)."""
     config = step.get("cache") or {}
-    kind_of(config.get("kind", DEFAULT_KIND), config.get("provider"))
+    if why := unavailable_for(model, config):
+        warnings.warn(f"the run's KV cache ({describe_cache(config)}) does not run here as it was measured: {why}",
+                      RuntimeWarning, stacklevel=2)
     return model

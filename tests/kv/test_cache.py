@@ -119,3 +119,23 @@ def test_recipe_step_selects_the_cache_and_leaves_the_model_alone() -> None:
     assert apply_step(model, recipe[-1]) is model
     with pytest.raises(ValueError, match="unknown KV cache kind 'missing'"):
         apply_step(model, kv_cache_step({"kind": "missing"}))
+
+
+def test_replaying_a_cache_that_cannot_run_here_as_measured_says_so() -> None:
+    import warnings
+
+    from opus.kv.static import cache_config
+
+    model = tiny_llama()  # head size 8: the bf16 attention op takes multiples of 32
+    bf16 = cache_config(attention="blocked_bf16")
+    with pytest.warns(RuntimeWarning, match=r"the run's KV cache \(static, compiled decode, blocked attention in "
+                                            r"bf16\) does not run here as it was measured: the bf16 attention op "
+                                            r"takes a head size that is a multiple of 32, not 8"):
+        assert apply_step(model, kv_cache_step(bf16)) is model
+    by_batch = kvcache.by_batch_config([(1, cache_config(attention="blocked")), (None, bf16)])
+    with pytest.warns(RuntimeWarning, match="above: the bf16 attention op takes a head size"):
+        apply_step(model, kv_cache_step(by_batch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cache that runs as measured replays silently
+        apply_step(model, kv_cache_step(by_batch["rules"][0]["cache"]))
+        apply_step(model, kv_cache_step({"kind": "growing"}))
