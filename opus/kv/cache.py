@@ -315,10 +315,15 @@ def make_cache(config: dict[str, Any] | None, model_config: Any, batch_size: int
     return build_cache(config, shape)
 
 
-def build_cache(config: dict[str, Any] | None, shape: CacheShape) -> KVCache:
+def _split(config: dict[str, Any] | None) -> tuple[str, str | None, dict[str, Any]]:
+    """A cache config as (its kind's name, its provider, the kind's own options)."""
     options = dict(config or {})
-    kind = options.pop("kind", DEFAULT_KIND)
-    cache = kind_of(kind, options.pop("provider", None)).build(options, shape)
+    return options.pop("kind", DEFAULT_KIND), options.pop("provider", None), options
+
+
+def build_cache(config: dict[str, Any] | None, shape: CacheShape) -> KVCache:
+    kind, provider, options = _split(config)
+    cache = kind_of(kind, provider).build(options, shape)
     # The decoder reads the hooks without probing: a cache lacking them fails here, by name.
     if not isinstance(cache, KVCache):
         raise TypeError(f"KV cache kind '{kind}' built a {type(cache).__name__}, which lacks the KVCache hooks "
@@ -334,10 +339,9 @@ def by_batch_config(rules: list[tuple[int | None, dict[str, Any]]]) -> dict[str,
 
 def describe_cache(config: dict[str, Any] | None) -> str:
     """One line for people: ``static, compiled decode up to batch 1; pooled above``."""
-    options = dict(config or {})
-    kind = options.pop("kind", DEFAULT_KIND)
+    kind, provider, options = _split(config)
     try:
-        return kind_of(kind, options.pop("provider", None)).describe(options)
+        return kind_of(kind, provider).describe(options)
     except (ValueError, ImportError):  # a kind this process cannot load is still named
         return str(kind)
 
@@ -376,9 +380,8 @@ class _ByBatchKind(KindBase):
         # and that the rule covers is the answer.
         best = 0
         for rule in options.get("rules") or []:
-            cache = dict(rule["cache"])
-            fits = kind_of(cache.pop("kind", DEFAULT_KIND), cache.pop("provider", None)).max_batch(
-                budget_bytes, per_token_bytes, context_len, cache)
+            kind, provider, cache = _split(rule["cache"])
+            fits = kind_of(kind, provider).max_batch(budget_bytes, per_token_bytes, context_len, cache)
             best = max(best, min(fits, rule.get("up_to", fits)))
         return best
 
@@ -390,7 +393,7 @@ class _ByBatchKind(KindBase):
     def unavailable(self, model: torch.nn.Module, options: dict[str, Any]) -> str | None:
         rules = options.get("rules") or []
         reasons = [(rule.get("up_to"), why) for rule in rules if (why := unavailable_for(model, rule.get("cache")))]
-        return "; ".join(f"{'up to batch ' + str(up_to) if up_to else 'above'}: {why}"
+        return "; ".join(f"{'above' if up_to is None else f'up to batch {up_to}'}: {why}"
                          for up_to, why in reasons) or None
 
 
@@ -399,8 +402,8 @@ register_kind(_ByBatchKind())
 
 def unavailable_for(model: torch.nn.Module, config: dict[str, Any] | None) -> str | None:
     """Why ``config``'s cache cannot run as configured for ``model`` here (``CacheKind.unavailable``), or None."""
-    options = dict(config or {})
-    return kind_of(options.pop("kind", DEFAULT_KIND), options.pop("provider", None)).unavailable(model, options)
+    kind, provider, options = _split(config)
+    return kind_of(kind, provider).unavailable(model, options)
 
 
 def cache_factory(model: torch.nn.Module, config: dict[str, Any] | None = None) -> CacheFactory:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -122,8 +123,6 @@ def test_recipe_step_selects_the_cache_and_leaves_the_model_alone() -> None:
 
 
 def test_replaying_a_cache_that_cannot_run_here_as_measured_says_so() -> None:
-    import warnings
-
     from opus.kv.static import cache_config
 
     model = tiny_llama()  # head size 8: the bf16 attention op takes multiples of 32
