@@ -65,5 +65,17 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def first_mismatch(directory: Path, digests: dict[str, str], record: str) -> str | None:
+    """None when every file named in ``digests`` (paths relative to ``directory``) matches its sha256,
+    else what the first one that does not is: missing or changed since ``record`` listed it."""
+    for name, digest in digests.items():
+        file = directory / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if sha256_file(file) != digest:
+            return f"{name} does not match its sha256 in {record}"
+    return None
+
+
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -147,6 +147,7 @@ def test_errors_are_the_cli_ones_raised(api_run: ApiRun, tmp_path: Path) -> None
 
 
 def test_load_a_run_without_export_gives_its_final_checkpoint(tmp_path: Path) -> None:
+    from opus.bench.target import resolve_target
     from tests.helpers import SCALE, pipeline, write_pipeline
     from tests.stages.test_export import tiny_llama
 
@@ -162,6 +163,16 @@ def test_load_a_run_without_export_gives_its_final_checkpoint(tmp_path: Path) ->
         assert not torch.equal(lm.model(torch.tensor([ids])), tiny_llama()(torch.tensor([ids])))  # scaled
     with pytest.raises(InputError, match="no tokenizer"):
         lm.generate("text")
+    # A state.json edited by hand (here to drop the scaled tensors) no longer matches the manifest's
+    # sha256: it must not load as the run's model, and `opus resume` redoes the stage, after which the run loads again.
+    state = tmp_path / "run" / "stages" / "00-scale" / "state.json"
+    state.write_text(state.read_text().replace('"tensors.safetensors"', "null"))  # would load unscaled
+    with pytest.raises(InputError, match=r"00-scale: the checkpoint is damaged \(state.json does not match"):
+        opus.load(tmp_path / "run")
+    with pytest.raises(InputError, match="00-scale: the checkpoint is damaged"):
+        resolve_target(tmp_path / "run", tmp_path)  # nor is it what `opus bench` measures
+    assert run_cli("resume", tmp_path / "run") == 0
+    assert opus.load(tmp_path / "run").generate_ids([ids], 5)[0] == _greedy_argmax(lm.model, ids, 5)
 
 
 def test_eager_load_runs_the_chosen_cache_without_compiling() -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from opus.atomic import read_json
 from opus.errors import InputError
+from opus.pipeline.checkpoint import intact
 from opus.pipeline.run_files import final_checkpoint, resolve_from, run_base_dir
 from opus.pipeline.spec import LoadedPipeline, load_pipeline
 
@@ -66,7 +67,7 @@ def resolve_target(path: Path, runs_dir: Path) -> Target:
         loaded = load_pipeline(path / "pipeline.yaml", base_dir=run_base_dir(path, info))
         checkpoint, stage = final_checkpoint(path)
         reason = "" if checkpoint else f"run {path} has no committed stage yet"
-        return Target(loaded, path, checkpoint, stage, reason)
+        return Target(loaded, path, checkpoint and intact(checkpoint), stage, reason)
     if not path.is_file():
         raise InputError("no such pipeline file or run directory", file=str(path))
     loaded = load_pipeline(path)
@@ -76,7 +77,7 @@ def resolve_target(path: Path, runs_dir: Path) -> Target:
                                             f"(run `opus run {path}` first, or give a run directory)")
     checkpoint, stage = final_checkpoint(run_dir)
     reason = "" if checkpoint else f"run {run_dir} has no kept stage"
-    return Target(loaded, run_dir, checkpoint, stage, reason)
+    return Target(loaded, run_dir, checkpoint and intact(checkpoint), stage, reason)
 
 
 def pipeline_budget(loaded: LoadedPipeline) -> tuple[float, str]:

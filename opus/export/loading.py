@@ -7,7 +7,7 @@ from typing import Any
 
 from opus.errors import InputError
 from opus.export.native import EXPORT_FILE, load_exported
-from opus.pipeline.checkpoint import MANIFEST
+from opus.pipeline.checkpoint import MANIFEST, intact
 from opus.pipeline.run_files import RUN_FILE, export_dirs, final_checkpoint, load_run
 from opus.pipeline.state import Materialized, materialize
 
@@ -19,7 +19,7 @@ def load_made(path: Path, device: str | None = None) -> tuple[Materialized, Path
     run_dir = path.parent.parent
     if path.parent.name == "stages" and (path / MANIFEST).is_file() and (run_dir / RUN_FILE).is_file():
         run_pipeline = load_run(run_dir)
-        return materialize(path, run_pipeline.spec, run_pipeline.base_dir, device), path
+        return materialize(intact(path), run_pipeline.spec, run_pipeline.base_dir, device), path
     if not (path / RUN_FILE).is_file():
         if not (path / EXPORT_FILE).is_file():
             raise InputError(f"not an export directory ({EXPORT_FILE}), a run directory ({RUN_FILE}) or a "
@@ -32,7 +32,7 @@ def load_made(path: Path, device: str | None = None) -> tuple[Materialized, Path
     if checkpoint is None:
         raise InputError("the run has no kept stage yet: nothing to load", file=str(path))
     run_pipeline = load_run(path)
-    return materialize(checkpoint, run_pipeline.spec, run_pipeline.base_dir, device), checkpoint
+    return materialize(intact(checkpoint), run_pipeline.spec, run_pipeline.base_dir, device), checkpoint
 
 
 def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.atomic import read_json, sha256_file, write_json, write_text
+from opus.atomic import first_mismatch, read_json, sha256_file, write_json, write_text
+from opus.errors import InputError
 from opus.export.targets import TargetOutcome
 from opus.pipeline.checkpoint import commit as swap_in
 from opus.pipeline.checkpoint import new_temp_dir
@@ -310,10 +311,10 @@ def load_exported(export_dir: Path | str, device: str | None = None, verify: boo
     export_dir = Path(export_dir)
     record = read_json(export_dir / EXPORT_FILE)
     if record.get("format") != "opus-export":
-        raise ValueError(f"{export_dir / EXPORT_FILE} is not an Opus export")
-    tensors = export_dir / record["state"]["tensors"]
-    if verify and sha256_file(tensors) != record["files"].get(tensors.name):
-        raise ValueError(f"{tensors} does not match its sha256 in {EXPORT_FILE}")
+        raise InputError("not an Opus export", file=str(export_dir / EXPORT_FILE))
+    # Every file it wrote (config, tokenizer, tensors): an edited config.json would load another model.
+    if verify and (problem := first_mismatch(export_dir, record.get("files") or {}, EXPORT_FILE)):
+        raise InputError(f"the export is damaged ({problem})", file=str(export_dir))
     device = device or record["device"]
     config = (record.get("model_files") or {}).get("config")
     if config and (export_dir / config).is_file():

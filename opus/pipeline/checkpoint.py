@@ -15,7 +15,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from opus.atomic import fsync_dir, fsync_file, read_json, sha256_file, write_json
+from opus.atomic import first_mismatch, fsync_dir, fsync_file, read_json, sha256_file, write_json
+from opus.errors import InputError
 from opus.pipeline.contracts import JOB_FILE, RESULT_FILE, ResultRecord, read_result
 from opus.pipeline.state import STATE_FILE, TENSORS_FILE
 
@@ -101,13 +102,16 @@ def verify_checkpoint(path: Path) -> str | None:
         manifest = read_json(manifest_path)
     except ValueError as exc:
         return f"manifest.json is unreadable: {exc}"
-    for name, digest in manifest.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if sha256_file(file) != digest:
-            return f"{name} does not match its sha256 in manifest.json"
-    return None
+    return first_mismatch(path, manifest.get("files", {}), MANIFEST)
+
+
+def intact(checkpoint: Path) -> Path:
+    """The checkpoint, once every file its manifest lists matches its sha256 (else ``InputError``): a
+    state.json edited by hand or a tensors file cut short must not load as the model the run measured."""
+    if problem := verify_checkpoint(checkpoint):
+        raise InputError(f"the checkpoint is damaged ({problem}); `opus resume` on the run redoes its stage",
+                         file=str(checkpoint))
+    return checkpoint
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from opus.errors import InputError
 from opus.export.native import EXPORT_FILE, ExportSettings, export_model, load_exported
 from opus.models import load_model
 from opus.models.config import hf_config
@@ -92,6 +93,7 @@ def test_export_written_before_it_held_its_config_still_loads(tmp_path: Path) ->
     record = json.loads((export_dir / EXPORT_FILE).read_text())
     for name in record.pop("model_files")["files"]:
         (export_dir / name).unlink()
+        del record["files"][name]  # it listed only what it wrote
     record.update(source={"hf": str(K3)}, base_dir=str(tmp_path))
     (export_dir / EXPORT_FILE).write_text(json.dumps(record))
     reloaded = load_exported(export_dir)
@@ -99,6 +101,25 @@ def test_export_written_before_it_held_its_config_still_loads(tmp_path: Path) ->
     assert reloaded.tokenizer is not None
     with torch.no_grad():
         assert torch.equal(reloaded.model(ids), model(ids))
+
+
+def test_an_edited_or_missing_file_is_a_damaged_export(tmp_path: Path) -> None:
+    """The record's sha256 covers every file it wrote: an edited config.json (another model) or a lost
+    tokenizer refuses to load, naming the file, rather than loading something the run never measured."""
+    model, tokenizer = load_model({"hf": str(K3)})
+    export_dir = tmp_path / "export"
+    export_model(model, tokenizer, {"recipe": []}, export_dir, _settings({"hf": str(K3)}, tmp_path))
+    config = export_dir / "config.json"
+    text = config.read_text()
+    config.write_text(text.replace('"rope_theta": ', '"rope_theta": 1'))
+    assert config.read_text() != text
+    with pytest.raises(InputError, match=r"export: the export is damaged \(config.json does not match its sha256"):
+        load_exported(export_dir)
+    config.write_text(text)
+    assert load_exported(export_dir).model.config == model.config
+    (export_dir / "tokenizer.json").unlink()
+    with pytest.raises(InputError, match=r"damaged \(tokenizer.json is missing\)"):
+        load_exported(export_dir)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"])
