@@ -154,6 +154,10 @@ def parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None]:
 
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[Loc, int]]:
     """Parse ``path``; return the data and a map from key path to 1-based line number."""
+    if path.is_dir():
+        run = (path / "run.json").is_file()  # run_files.RUN_FILE (run_files imports this module, via spec)
+        raise InputError("a directory, not a pipeline file" + ("; it is a run directory: `opus resume` continues "
+                         "it, `opus verify` checks its files" if run else ""), file=str(path))
     if not path.is_file():
         raise InputError("file not found", file=str(path))
     size = path.stat().st_size

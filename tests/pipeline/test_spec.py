@@ -51,6 +51,17 @@ def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
     assert "p.yaml:1" in message and "YAML syntax error" in message
 
 
+def test_a_directory_is_not_a_pipeline_file_a_run_directory_names_its_commands(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture) -> None:
+    assert run_cli("check", tmp_path) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}: a directory, not a pipeline file"
+    (tmp_path / "run.json").write_text("{}")
+    assert run_cli("check", tmp_path) == 2
+    assert "a run directory: `opus resume` continues it, `opus verify` checks its files" in capsys.readouterr().err
+    assert run_cli("check", tmp_path / "nope.yaml") == 2
+    assert capsys.readouterr().err.strip().endswith("nope.yaml: file not found")
+
+
 def test_misspelt_key_names_line_and_key(tmp_path: Path) -> None:
     message = _error(tmp_path, GOOD.replace("  - id: scale\n", "  - id: scale\n    neds: [base]\n"))
     assert message.endswith("p.yaml:9: stages[1].neds: unknown key 'neds'")
