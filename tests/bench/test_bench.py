@@ -11,16 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from opus.atomic import write_json
 from opus.bench import hf_contender, llamacpp, torch_contenders
 from opus.bench.core import Row, Unavailable, judge
 from opus.bench.run import all_contenders, select
 from opus.bench.target import pipeline_budget
 from opus.cli.main import main
 from opus.errors import InputError
-from opus.kv.cache import kv_cache_step
 from opus.pipeline.spec import load_pipeline
-from tests.bench.project import make_project
+from tests.bench.project import kv_only_run, make_project
 
 EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "compile", "hf", "onnx-fp32",
          "onnx-int8", "ov-fp32", "ov-int8", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan", "opus"]
@@ -91,18 +89,7 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
 
 
 def test_a_run_directory_benches_its_final_model(pipeline, tmp_path, capsys) -> None:
-    run = tmp_path / "runs" / "tinybench-1"
-    stage = run / "stages" / "01-kv"
-    stage.mkdir(parents=True)
-    base_dir = str(pipeline.parent)
-    write_json(run / "run.json", {"run_id": run.name, "base_dir": base_dir, "name": "tinybench", "starts": [1.0],
-                                  "pipeline": str(pipeline)})
-    (run / "pipeline.yaml").write_text(pipeline.read_text())
-    state = {"source": {"hf": "model"}, "recipe": [kv_cache_step({"kind": "growing"})], "tensors": None,
-             "aliases": {}}
-    write_json(stage / "state.json", state)
-    write_json(run / "summary.json", {"status": "finished", "stages": [
-        {"id": "kv", "status": "done", "dir": str(stage), "metrics": {}}]})
+    run = kv_only_run(pipeline, tmp_path / "runs" / "tinybench-1")
     assert _bench(run, "--only", "opus", "--format", "json", "--budget", "0") == 0
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert list(rows) == ["fp32", "opus"]

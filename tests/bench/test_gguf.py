@@ -14,7 +14,7 @@ from opus.bench.core import Unavailable
 from opus.bench.gguf import SCRIPT, cache_root, find_converter
 from opus.bench.gguf_shim import byte_level_gpt2
 from opus.cli.main import main
-from tests.bench.project import make_project
+from tests.bench.project import kv_only_run, make_project
 
 
 def _sdist(path: Path) -> Path:
@@ -111,20 +111,8 @@ def test_llama_plan_runs_the_run_s_final_model_as_gguf(tmp_path, capsys) -> None
     """``llama-plan``: the run's final model written by opus.export.gguf_mix, measured in llama.cpp (a run
     with no quantize stage here: every matrix F32, so llama.cpp must match the fp32 baseline)."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'opus[llama]')")
-    from opus.atomic import write_json
-    from opus.kv.cache import kv_cache_step
-
     pipeline = make_project(tmp_path)
-    run = tmp_path / "runs" / "tinybench-1"
-    stage = run / "stages" / "01-kv"
-    stage.mkdir(parents=True)
-    write_json(run / "run.json", {"run_id": run.name, "base_dir": str(pipeline.parent), "name": "tinybench",
-                                  "starts": [1.0], "pipeline": str(pipeline)})
-    (run / "pipeline.yaml").write_text(pipeline.read_text())
-    write_json(stage / "state.json", {"source": {"hf": "model"}, "recipe": [kv_cache_step({"kind": "growing"})],
-                                      "tensors": None, "aliases": {}})
-    write_json(run / "summary.json", {"status": "finished", "stages": [
-        {"id": "kv", "status": "done", "dir": str(stage), "metrics": {}}]})
+    run = kv_only_run(pipeline, tmp_path / "runs" / "tinybench-1")
     assert main(["bench", str(run), "--only", "llama-plan", "--format", "json", "--quiet"]) == 0
     row = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}["llama-plan"]
     assert row["status"] == "ok", row["reason"]
