@@ -16,8 +16,8 @@ Applier = Callable[[Any, dict[str, Any]], Any]
 
 _APPLIERS: dict[str, Applier] = {}
 # Kinds whose applier lives in a module that registers it on import.
-_PROVIDERS: dict[str, str] = {"quantize": "opus.quant.apply", "fuse": "opus.fusion.rewrite",
-                               "kv_cache": "opus.kv.cache"}
+_PROVIDERS: dict[str, str] = {"quantize": "opus.quant.apply", "shared_embedding": "opus.quant.tied",
+                               "fuse": "opus.fusion.rewrite", "kv_cache": "opus.kv.cache"}
 
 
 def register_transform(kind: str, provider_module: str | None = None) -> Callable[[Applier], Applier]:

@@ -14,6 +14,7 @@ from opus.quant.apply import quantize_model
 from opus.quant.calibrate import CALIBRATION_FILE, ActivationStats
 from opus.quant.formats import is_noop, noop_name, promote
 from opus.quant.plan import PLAN_FILE, assignment_from_plan
+from opus.quant.tied import share_embedding, shared_embedding_step, why_not_shared
 from opus.runtime.data import load_blocks
 from opus.runtime.metrics import Progress, evaluate_lm, model_mb
 
@@ -29,6 +30,9 @@ class Config(BaseModel):
     promote_step: int = Field(2, gt=0, description="how many more groups each gate retry promotes")
     alpha: float | None = Field(None, gt=0, lt=1, description="SmoothQuant strength; None: chosen per group")
     measure: bool = Field(True, description="perplexity and top-1 on the evaluation text, for gates")
+    share_tied_embedding: bool = Field(
+        True, description="a tied model whose lm_head is int8 per row (W8A8, W8A16) looks its embeddings up in "
+                          "those rows, and the float table goes (the lookup rounds it to int8; measured below)")
 
 
 def _plan(ctx: StageContext) -> tuple[dict[str, Any], ActivationStats]:
@@ -62,13 +66,32 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     step = quantize_model(model, assignment_from_plan(doc), stats, group_size=doc.get("group_size", 128),
                           alpha=cfg.alpha)
     ctx.write_artifact("plan.applied.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
+    recipe, shared = [step], _share_embedding(ctx, cfg, model, step)
+    if shared["shared"]:
+        recipe.append(shared_embedding_step())
     metrics: dict[str, Any] = {"quantized_layers": len(step["layers"]), "model_mb": model_mb(model)}
     if cfg.measure and ctx.spec.data.evaluation is not None:
         blocks = load_blocks(ctx.spec.data.evaluation, loaded.tokenizer, ctx.base_dir)
         metrics.update(evaluate_lm(model, blocks, progress=Progress(ctx.progress)))
     ctx.progress(2, 2, "quantized")
-    return StageResult(metrics=metrics, model=model, recipe=[step],
-                       info={"promoted": changes, "smoothing_alpha": step["smoothing_alpha"]})
+    return StageResult(metrics=metrics, model=model, recipe=recipe,
+                       info={"promoted": changes, "smoothing_alpha": step["smoothing_alpha"], "tied_embedding": shared})
+
+
+def _share_embedding(ctx: StageContext, cfg: Config, model: Any, step: dict[str, Any]) -> dict[str, Any]:
+    """One table for a tied model's embedding and int8 lm_head (``opus.quant.tied``), where it can be."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {"shared": False, "reason": "not tied"}
+    if "lm_head" not in step["layers"]:
+        return {"shared": False, "reason": "the lm_head stays float: it and the embedding share the float table"}
+    why = why_not_shared(model) if cfg.share_tied_embedding else "share_tied_embedding is off"
+    if why is None:
+        before = model_mb(model)
+        share_embedding(model)
+        ctx.log(f"the embedding reads the int8 lm_head's rows: {before:.1f} -> {model_mb(model):.1f} MB")
+    else:
+        ctx.log(f"the tied embedding keeps its float table: {why}")
+    return {"shared": why is None, "reason": why}
 
 
 def remedy(cfg: Config, failure: Failure) -> Config | None:

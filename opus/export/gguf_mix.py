@@ -37,6 +37,7 @@ from opus.export.unfused import Layer, layers, other_tensors
 from opus.models import layout
 from opus.models.gguf_names import BLOCK, EXPERT_STACKS, PERMUTED, TOP, VECTOR
 from opus.quant.formats import FORMATS
+from opus.quant.tied import SharedInt8Embedding
 
 FILE = "gguf/model.gguf"
 # GGUF types Opus writes, least to most accurate (mean error on Gaussian weights, tests check the
@@ -155,13 +156,16 @@ def _collect(model: nn.Module, cfg: Any, fam: layout.Family) -> _Tensors:
     out = _Tensors()
     found = layers(model)
     stacks: dict[tuple[int, str], dict[int, Layer]] = defaultdict(dict)
-    embedding = model.get_submodule(_D.embedding).weight
+    embedding = model.get_submodule(_D.embedding)
+    shared = isinstance(embedding, SharedInt8Embedding)  # the embedding reads the int8 lm_head's rows
     for name, layer in found.items():
         if name == _D.lm_head:
             own = getattr(layer.module, "weight", None)  # a quantized lm_head (its own int8 copy) has none
-            if isinstance(own, torch.Tensor) and own.data_ptr() == embedding.data_ptr():
+            if isinstance(own, torch.Tensor) and own.data_ptr() == embedding.weight.data_ptr():
                 continue  # tied: llama.cpp reads token_embd when output.weight is absent
-            out.add_matrix(_TOP_OF[f"{name}.weight"], [layer], layer.weight.cpu().numpy())
+            # One table there too: token_embd in the head's format, and no output.weight.
+            top = _TOP_OF[f"{_D.embedding}.weight" if shared else f"{name}.weight"]
+            out.add_matrix(top, [layer], layer.weight.cpu().numpy())
             continue
         m = _LAYER.match(name)
         if not m:
@@ -196,6 +200,8 @@ def _collect(model: nn.Module, cfg: Any, fam: layout.Family) -> _Tensors:
         weight = torch.stack([layer.weight for layer in group]).cpu().numpy()
         out.add_matrix(f"blk.{block}.{kind}.weight", group, weight)
     for name, tensor in other_tensors(model).items():
+        if shared and name == f"{_D.embedding}.weight":
+            continue  # written above, from the head
         if name in _TOP_OF:
             out.add_float(_TOP_OF[name], tensor)
             continue

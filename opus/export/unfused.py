@@ -23,6 +23,7 @@ from torch import nn
 from opus.models.layout import DECODER, family
 from opus.quant.formats import FORMATS
 from opus.quant.formats.registry import is_quantized, noop_name
+from opus.quant.tied import SharedInt8Embedding
 
 
 @dataclass
@@ -130,8 +131,12 @@ def layers(model: nn.Module) -> dict[str, Layer]:
 def other_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers outside the linear layers (embeddings, norms), by decoder name."""
     consumed = [name for name, _, _ in _sources(model)]
-    return {name: tensor.detach() for name, tensor in model.state_dict().items()
-            if not any(name.startswith(c + ".") for c in consumed)}
+    out = {name: tensor.detach() for name, tensor in model.state_dict().items()
+           if not any(name.startswith(c + ".") for c in consumed)}
+    for name, module in model.named_modules():
+        if isinstance(module, SharedInt8Embedding):  # its table is the int8 lm_head's rows: written as floats
+            out[f"{name}.weight"] = module.dequantized().detach()
+    return out
 
 
 _MIXTRAL_EXPERT = {DECODER.gate_proj: "w1", DECODER.up_proj: "w3", DECODER.down_proj: "w2"}

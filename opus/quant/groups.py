@@ -37,8 +37,9 @@ def build_groups(model: nn.Module, include: list[str], exclude: list[str], *,
     """All nn.Linear layers selected by the globs, grouped (``whole_experts``: opus.models.layout.format_group).
 
     A linear tied to the embedding (a tied lm_head) is a group only with ``tied``: quantizing it gives
-    the head its own packed copy while the embedding keeps the float table (the lookup needs it), so it
-    costs memory instead of saving it — a trade for the planner, not for a uniform format.
+    the head its own copy; only an int8-per-row copy also serves the lookup (``opus.quant.tied``, in the
+    quantize stage), otherwise the embedding keeps the float table beside it and memory grows — a trade
+    for the planner, not for a uniform format.
     """
     groups: dict[str, QGroup] = {}
     roles = module_roles(model)

@@ -90,7 +90,9 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     dtype = next(model.parameters()).dtype
     notes: list[str] = []
     formats = usable_formats(request.formats, device, notes)
-    # A tied lm_head costs memory when quantized (its own copy): planned under a perplexity budget only.
+    # A tied lm_head quantized to int8 per row serves the embedding too (the quantize stage shares it,
+    # opus.quant.tied); in another format it costs memory (its own copy). Planned under a perplexity
+    # budget only either way: the head's accuracy is the whole vocabulary's.
     # Compiled, the model runs fused, and the fuse stage groups a MoE layer's experts only where their gate/up
     # and down share a format: otherwise they run one by one (on K3 a plan of W8A8 gate/up and fp32 down ran
     # 2,162 ms a batch against 1,229 for uniform W8A8). So there a layer's experts are one group.

@@ -147,6 +147,24 @@ def test_w8a8_quantized_model(tmp_path: Path) -> None:
     assert any(n.op_type == "MatMulInteger" for n in graph.node)
 
 
+def test_a_tied_embedding_read_from_the_int8_head_runs_on_onnxruntime(tmp_path: Path) -> None:
+    from opus.quant.apply import quantize_model
+    from opus.quant.tied import share_embedding, shared_embedding_step
+
+    model = tiny_lm("llama", layers=1)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    step = quantize_model(model, {"lm_head": "w8a8"}, None)
+    share_embedding(model)
+    outcome = export_onnx(model, None, {"recipe": [step, shared_embedding_step()]}, tmp_path, settings())
+    assert_parity(outcome, 1e-3)
+    graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
+    int8 = [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    floats = [t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2]
+    vocab, hidden = model.lm_head.qweight.shape
+    assert int8 and not [t.name for t in floats if list(t.dims) in ([vocab, hidden], [hidden, vocab])]  # one table
+
+
 def test_fused_moe_model(tmp_path: Path) -> None:
     """Fused q/k/v, gate/up and the grouped MoE (its dense mode under export) keep parity."""
     from opus.fusion import FusionConfig, GroupedMoE, fuse_model, lm_probe
