@@ -110,8 +110,11 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up, self.down, self.top_k = gate_up, down, top_k
         self.num_experts = gate_up.num_experts
-        # The dense mode's gate/up for every expert in one call (every expert sees the same rows there).
-        self.gate_up_all = gate_up.merged() if isinstance(gate_up, StackedQuantLinear) else None
+        # The dense mode's gate/up for every expert in one call (every expert sees the same rows there): a
+        # copy, made again whenever the experts' tensors load (a rebuilt model's experts start empty).
+        self.gate_up_all = self._merged_gate_up()
+        self.register_load_state_dict_post_hook(lambda module, _keys: setattr(module, "gate_up_all",
+                                                                              module._merged_gate_up()))
         self._native_reason = native_experts.experts_reason(gate_up, down)
         self.handle = next(_HANDLES)  # how opus::sorted_experts finds these experts
         _EXPERTS[self.handle] = self
@@ -121,6 +124,9 @@ class GroupedExperts(nn.Module):
         super().__setstate__(state)
         self.handle = next(_HANDLES)
         _EXPERTS[self.handle] = self
+
+    def _merged_gate_up(self) -> nn.Module | None:
+        return self.gate_up.merged() if isinstance(self.gate_up, StackedQuantLinear) else None
 
     @property
     def quantized(self) -> bool:

@@ -213,3 +213,38 @@ def test_prefill_is_timed_on_the_prompts_it_is_given() -> None:
         "last_only", False))), with_kwargs=True)
     decide_expert_modes(model, ids, 4, rounds=2, steps=2, wanted=["sorted", "dense"], prefill=workload)
     assert (tuple(workload.shape), True) in seen and (tuple(ids.shape), False) in seen
+
+
+@pytest.mark.parametrize("fmt", ["w8a8", "w8a16"])
+def test_a_reloaded_quantized_moe_runs_its_dense_mode_on_the_loaded_weights(fmt: str, tmp_path) -> None:
+    """Every stage after fuse rebuilds the model (recipe on an empty structure, then the saved tensors):
+    the merged gate/up layer, a derived copy, must be made from the loaded experts, not the empty ones. It
+    was not: a reloaded K3 ran its compiled decode steps (dense mode) on zeros (free-running agreement
+    0.19 while the teacher-forced one said 1.000)."""
+    from safetensors.torch import save_file
+
+    from opus.pipeline.state import apply_state, changed_tensors
+    from opus.quant.apply import quantize_model
+    from opus.quant.calibrate import collect_stats
+
+    def base() -> torch.nn.Module:
+        return tiny_lm("mixtral")
+
+    model = base()
+    marks = {n: (t.data_ptr(), t._version) for n, t in model.state_dict(keep_vars=True).items()}
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".experts." in n]
+    quantized = quantize_model(model, dict.fromkeys(names, fmt), collect_stats(model, prompts()), group_size=32)
+    outcome = fuse_model(model, FusionConfig(patterns=["moe_grouped"]), lm_probe(prompts()[:1, :8]))
+    tensors, aliases = changed_tensors(outcome.model, marks)
+    save_file(tensors, str(tmp_path / "t.safetensors"))
+    state = {"recipe": [quantized, outcome.step()], "tensors": "t.safetensors", "aliases": aliases}
+    reloaded = apply_state(base(), None, state, tmp_path, "cpu").model
+    moe = grouped_moes(reloaded)[0][1]
+    merged = moe.experts.gate_up_all
+    assert merged is not None
+    assert torch.equal(merged.qweight, torch.cat([e.qweight for e in moe.experts.gate_up.experts]))
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(moe(x, "dense"), moe(x, "sorted"), rtol=1e-5, atol=1e-5)
+        ids = prompts()[:2, :8]
+        torch.testing.assert_close(reloaded(ids), outcome.model(ids), rtol=0, atol=0)
