@@ -24,7 +24,7 @@ from rich.text import Text
 from opus.pipeline.progress import RunProgress, StageProgress, format_count, format_duration
 
 HEADLINE = (("throughput_tok_s", "P", "{:.1f} tok/s"), ("ttft_ms", "D", "{:.1f} ms"),
-            ("perplexity", "ppl", "{:.3f}"), ("agreement", "agree", "{:.3f}"),
+            ("perplexity", "ppl", "{:.3f}"), ("agreement", "agree", "{:.3f}"), ("agreement_free", "free", "{:.3f}"),
             ("serve_output_tok_s", "served", "{:.1f} tok/s"), ("serve_ttft_p99_ms", "TTFT p99", "{:.0f} ms"),
             ("serve_concurrency", "clients", "{:d}"))
 # Pipe/log mode: a progress line per running stage at least this often (OPUS_PROGRESS_INTERVAL_S
