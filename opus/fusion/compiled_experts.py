@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from opus import compile_watch
 from opus.fusion.ops import swiglu
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def _every_expert(x: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, en
 
 @functools.cache
 def _compiled(fn: Any) -> Any:
+    compile_watch.watch()
     return torch.compile(fn, fullgraph=True, dynamic=True)
 
 

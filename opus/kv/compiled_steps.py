@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus import compile_watch
+
 RECOMPILE_LIMIT = 32
 Step = Callable[..., torch.Tensor]
 Steps = weakref.WeakKeyDictionary[nn.Module, dict[str, Step]]  # per model, per attention kernel and settings
@@ -73,6 +75,7 @@ def compile_step(fn: Step, dynamic: bool | None = False) -> Step:
     # One graph per (batch, bucket, slots, K/V dtype): a process that measures several caches (kv_config,
     # the benches) passes dynamo's default of 8 graphs per step, and fullgraph then fails to eager.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    compile_watch.watch()
     return torch.compile(_own_code(fn), fullgraph=True, dynamic=dynamic, options=options)
 
 

@@ -115,7 +115,7 @@ class RunDisplay:
             *([TimeElapsedColumn()] if wide else []),  # narrow: the phase needs the room more
             FieldColumn(lambda t: f"ETA {format_duration(self._stage(t).eta_s(time.monotonic()))}", width=10),
             FieldColumn(lambda t: f"run {self.run.run_eta(time.monotonic()).text()}", width=12, style="dim"),
-            FieldColumn(lambda t: self._stage(t).what),
+            FieldColumn(lambda t: self._stage(t).label(time.monotonic())),
             console=self.console, transient=True, disable=not self.live)
 
     @staticmethod
@@ -214,7 +214,7 @@ class RunDisplay:
 
     def progress_line(self, stage: StageProgress, now: float) -> str:
         """Pipe/log mode's line: time, stage, phase, done/total, elapsed, ETA of the stage and the run."""
-        return (f"… {time.strftime('%H:%M:%S')} {stage.stage_id}: {stage.what}  "
+        return (f"… {time.strftime('%H:%M:%S')} {stage.stage_id}: {stage.label(now)}  "
                 f"{format_count(stage.done, stage.total)}  elapsed {format_duration(now - stage.started)}  "
                 f"stage ETA {format_duration(stage.eta_s(now))}  run ETA {self.run.run_eta(now).text()}")
 

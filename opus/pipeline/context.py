@@ -56,6 +56,7 @@ class StageContext:
     config: dict[str, Any] = field(default_factory=dict)  # this attempt's configuration, as JSON
     _loaded: Any = field(default=None, repr=False)
     _started: float = field(default_factory=time.monotonic, repr=False)
+    _last_progress: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def artifact_dir(self) -> Path:
@@ -77,7 +78,14 @@ class StageContext:
 
     def progress(self, done: float, total: float | None = None, what: str = "") -> None:
         """Report progress; this is also the heartbeat the watchdog listens to."""
-        self.report({"t": "progress", "done": done, "total": total, "what": what})
+        self._last_progress = {"t": "progress", "done": done, "total": total, "what": what}
+        self.report(self._last_progress)
+
+    def compiling(self, active: bool) -> None:
+        """torch started (True) or finished (False) compiling: the last progress again, marked so that
+        the runner can say so and keep the compile out of the work rate behind its ETA."""
+        self.report({"t": "progress", "done": None, "total": None, "what": "", **self._last_progress,
+                     "compiling": active})
 
     def log(self, message: str) -> None:
         print(message, file=sys.stderr, flush=True)

@@ -60,8 +60,11 @@ class StageProgress:
     # which says nothing about how fast the remaining units go.
     anchor: tuple[float, float] | None = None
     last_printed: float = field(default_factory=time.monotonic)
+    # Since when torch has been compiling (opus.compile_watch); None when it is not.
+    compiling_since: float | None = None
 
     def observe(self, message: dict[str, Any], now: float) -> None:
+        self._compiling(message.get("compiling"), now)
         done, total = message.get("done"), message.get("total")
         self.what = str(message.get("what") or self.what)
         self.total = float(total) if isinstance(total, (int, float)) and total > 0 else None
@@ -71,14 +74,28 @@ class StageProgress:
             self.anchor = (now, float(done))
         self.done = float(done)
 
+    def _compiling(self, flag: object, now: float) -> None:
+        if flag is True and self.compiling_since is None:
+            self.compiling_since = now
+        elif flag is False:
+            self.compiling_since = None
+
+    def label(self, now: float) -> str:
+        """The phase, and how long torch has been compiling when it is."""
+        if self.compiling_since is None:
+            return self.what
+        return f"{self.what} · compiling {format_duration(now - self.compiling_since)}"
+
     def eta_s(self, now: float) -> float | None:
-        """Remaining seconds at the rate measured since the first counted message."""
+        """Remaining seconds at the rate measured since the first counted message; unknown while torch
+        compiles: a compile of minutes advances no unit, and the rate then fell by the minute (an ETA of 35
+        hours for a stage that took 11 minutes). The compiles that ended are in the rate: more may come."""
         if self.total is None or self.done is None or self.anchor is None:
             return None
         if self.done >= self.total:
             return 0.0
         since, first = self.anchor
-        if self.done <= first or now <= since:
+        if self.done <= first or now <= since or self.compiling_since is not None:
             return None
         return (now - since) / (self.done - first) * (self.total - self.done)
 
@@ -140,7 +157,7 @@ class RunProgress:
         return {
             "updated": time.time(), "pid": os.getpid(), "stages": self.order,
             "running": [{"stage": s.stage_id, "uses": s.uses, "attempt": s.attempt, "started": s.started_wall,
-                         "done": s.done, "total": s.total, "what": s.what, "eta_s": s.eta_s(now)}
+                         "done": s.done, "total": s.total, "what": s.label(now), "eta_s": s.eta_s(now)}
                         for s in self.running.values()],
             "finished": self.finished, "run_eta_s": run_eta.seconds, "run_eta_estimated": run_eta.estimated,
         }

@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from opus import compile_watch
 from opus.errors import OpusError
 from opus.pipeline.checkpoint import is_disk_full, write_checkpoint
 from opus.pipeline.context import StageContext, StageResult
@@ -95,6 +96,7 @@ def main(argv: list[str]) -> int:
             run_dir=job.run_dir, stage_id=job.stage_id, uses=job.uses, spec=loaded.spec, base_dir=job.base_dir,
             upstream={u.id: u for u in job.upstream}, incoming=job.incoming, out_dir=out_dir,
             attempt=job.attempt, remedy=job.remedy, report=report, key=job.key, config=job.config)
+        compile_watch.report_to(ctx.compiling)
         result = stage_type.module.run(ctx, cfg)
         if not isinstance(result, StageResult):
             raise TypeError(f"stage type '{job.uses}' returned {type(result).__name__}, not StageResult")

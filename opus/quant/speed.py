@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus import compile_watch
 from opus.models.layout import DECODER, format_group
 from opus.quant.formats import FORMATS
 from opus.runtime.choose import DEFAULT_ROUNDS, Option, interleave, reported, wall_clock
@@ -40,6 +41,7 @@ def _run_kernel(x: torch.Tensor, fn: Any, tensors: tuple) -> torch.Tensor:
 def _compiled_kernel() -> Any:
     """One compiled caller for every layer kernel, dynamic in its shapes: a graph per kernel function,
     not per shape (the planner times many shapes)."""
+    compile_watch.watch()
     return torch.compile(_run_kernel, dynamic=True, fullgraph=True)
 
 

@@ -196,3 +196,23 @@ def test_bench_pipe_lines_and_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     lines = out.getvalue().splitlines()
     assert any("ETA" in line for line in lines if "30/100" in line)
     assert any(line.startswith("✗ onnx-int8") and LONG_NOTE in line for line in lines)
+
+
+def test_while_torch_compiles_the_line_says_so_and_the_eta_is_unknown() -> None:
+    """Minutes of compiling advance no unit: the line says it compiles, and the ETA is "?" (at the rate
+    of units it grew to 35 hours while a 30-layer model's decode step compiled); the compile, once
+    over, is in the rate (more of them may come)."""
+    run = RunProgress()
+    run.begin(["kv"], None)
+    stage = run.start("kv", "kv_config", 0)
+    stage.observe({"done": 0, "total": 10, "what": "P"}, now=100.0)
+    stage.observe({"done": 2, "total": 10, "what": "P"}, now=104.0)  # 2 s a unit
+    assert stage.eta_s(104.0) == pytest.approx(16.0)
+    stage.observe({"done": 2, "total": 10, "what": "P", "compiling": True}, now=105.0)
+    assert stage.label(185.0) == "P · compiling 1:20"
+    assert stage.eta_s(185.0) is None and run.run_eta(185.0).text() == "?"
+    assert run.snapshot(185.0)["running"][0]["what"] == "P · compiling 1:20"  # what `opus status` shows
+    stage.observe({"done": 2, "total": 10, "what": "P", "compiling": False}, now=196.0)
+    assert stage.label(196.0) == "P" and stage.eta_s(196.0) == pytest.approx(96 / 2 * 8)
+    stage.observe({"done": 2, "total": 10, "what": "P"}, now=197.0)  # a plain message keeps the state
+    assert stage.label(197.0) == "P"
