@@ -8,7 +8,7 @@ from opus.pipeline.verdict import final_record, slowdown_warnings
 from opus.runtime.noise import paired_key, spread_key
 
 MEASURES = ("throughput_tok_s", "ttft_ms", "perplexity", "peak_mem_mb")
-FINAL_EXTRA = ("agreement", "logits_cosine", "top5_overlap", "top1_accuracy")
+FINAL_EXTRA = ("agreement", "agreement_free", "logits_cosine", "top5_overlap", "top1_accuracy")
 
 
 def _pick(metrics: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:

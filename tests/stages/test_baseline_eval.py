@@ -158,7 +158,8 @@ def test_opus_run_end_to_end_then_cached(project, tmp_path) -> None:
     assert summary["status"] == "finished" and summary["final_stage"] == "check"
     for key in ("throughput_tok_s", "ttft_ms", "peak_mem_mb", "perplexity", "top1_accuracy"):
         assert summary["baseline"][key] > 0 and summary["final"][key] > 0, key
-    assert summary["final"]["agreement"] == 1.0 and summary["final"]["top5_overlap"] == 1.0
+    final = summary["final"]
+    assert final["agreement"] == final["agreement_free"] == final["top5_overlap"] == 1.0
     assert summary["final"]["logits_cosine"] == pytest.approx(1.0, abs=1e-6)
     assert [s["status"] for s in summary["stages"]] == ["done", "done"]
     # The ratios are the eval stage's side-by-side ones, each with its interval.
