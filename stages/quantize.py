@@ -14,7 +14,7 @@ from opus.quant.apply import quantize_model
 from opus.quant.calibrate import CALIBRATION_FILE, ActivationStats
 from opus.quant.formats import is_noop, noop_name, promote
 from opus.quant.plan import PLAN_FILE, assignment_from_plan
-from opus.quant.tied import share_embedding, shared_embedding_step, why_not_shared
+from opus.quant.tied import HEAD, share_embedding, shared_embedding_step, why_not_shared
 from opus.runtime.data import load_blocks
 from opus.runtime.metrics import Progress, evaluate_lm, model_mb
 
@@ -80,9 +80,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
 
 def _share_embedding(ctx: StageContext, cfg: Config, model: Any, step: dict[str, Any]) -> dict[str, Any]:
     """One table for a tied model's embedding and int8 lm_head (``opus.quant.tied``), where it can be."""
-    if not getattr(model.config, "tie_word_embeddings", False):
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return {"shared": False, "reason": "not tied"}
-    if "lm_head" not in step["layers"]:
+    if HEAD not in step["layers"]:
         return {"shared": False, "reason": "the lm_head stays float: it and the embedding share the float table"}
     why = why_not_shared(model) if cfg.share_tied_embedding else "share_tied_embedding is off"
     if why is None:

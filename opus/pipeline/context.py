@@ -83,7 +83,7 @@ class StageContext:
 
     def compiling(self, active: bool) -> None:
         """torch started (True) or finished (False) compiling: the last progress again, marked so that
-        the runner can say so and keep the compile out of the work rate behind its ETA."""
+        the runner can say so (and hold the stage's ETA as unknown until the compile ends)."""
         self.report({"t": "progress", "done": None, "total": None, "what": "", **self._last_progress,
                      "compiling": active})
 

@@ -111,10 +111,9 @@ def test_the_hugging_face_export_writes_the_table_and_transformers_agrees(tmp_pa
     assert outcome.metrics["hf_next_token_agreement"] == 1.0
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_the_quantize_stage_shares_the_k3_table_and_the_run_loads_it_so(tmp_path: Path, share: bool) -> None:
+def test_the_quantize_stage_shares_the_k3_table_and_the_run_loads_it_so(tmp_path: Path) -> None:
     """K3's demo model ties its embedding: a plan with an int8 lm_head leaves one table, which the run's
-    checkpoint rebuilds (``opus.load``); ``share_tied_embedding: false`` keeps the float table."""
+    checkpoint rebuilds (``opus.load``)."""
     import yaml
 
     import opus
@@ -124,15 +123,36 @@ def test_the_quantize_stage_shares_the_k3_table_and_the_run_loads_it_so(tmp_path
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump({"groups": [{"name": "lm_head", "format": "w8a16",
                                                                      "modules": ["lm_head"]}]}))
     stages = [{"id": "plan", "uses": "plan", "with": {"plan_file": str(tmp_path / "plan.yaml")}},
-              {"id": "quantize", "uses": "quantize", "needs": ["plan"], "with": {"share_tied_embedding": share}}]
+              {"id": "quantize", "uses": "quantize", "needs": ["plan"]}]
     pipeline = repo / "pipelines" / "smoke.yaml"
     assert opus.run(pipeline, set={"stages": stages}, run_dir=tmp_path / "run", quiet=True)["status"] == "finished"
     quantize_row = summary(tmp_path / "run")["stages"][1]
     info = json.loads((tmp_path / "run" / "stages" / "01-quantize" / "result.json").read_text())["info"]
-    assert info["tied_embedding"] == {"shared": share, "reason": None if share else "share_tied_embedding is off"}
+    assert info["tied_embedding"] == {"shared": True, "reason": None}
     model = opus.load(tmp_path / "run").model
-    assert isinstance(model.model.embed_tokens, SharedInt8Embedding) == share
+    assert isinstance(model.model.embed_tokens, SharedInt8Embedding)
     assert model_mb(model) == pytest.approx(quantize_row["metrics"]["model_mb"])  # the stage measured what loads
     shape = model.lm_head.qweight.shape
-    float_tables = [n for n, t in model.state_dict().items() if t.is_floating_point() and t.shape == shape]
-    assert float_tables == ([] if share else ["model.embed_tokens.weight"])
+    assert not [n for n, t in model.state_dict().items() if t.is_floating_point() and t.shape == shape]
+
+
+@torch.no_grad()
+def test_the_stage_keeps_the_float_table_when_told_or_when_the_head_stays_float() -> None:
+    from stages.quantize import Config, _share_embedding
+
+    class Log:  # the stage context's log, all _share_embedding asks of it
+        def __init__(self) -> None:
+            self.lines: list[str] = []
+
+        def log(self, line: str) -> None:
+            self.lines.append(line)
+
+    model, log = _tied(), Log()
+    step = quantize_model(model, {"lm_head": "w8a8"}, None)
+    off = _share_embedding(log, Config(share_tied_embedding=False), model, step)
+    assert off == {"shared": False, "reason": "share_tied_embedding is off"}
+    assert isinstance(model.model.embed_tokens, nn.Embedding) and log.lines[-1].endswith("share_tied_embedding is off")
+    float_head = _tied()
+    kept = _share_embedding(log, Config(), float_head, quantize_model(float_head, {}, None))
+    assert kept["shared"] is False and "stays float" in kept["reason"]
+    assert _share_embedding(log, Config(), nn.Linear(2, 2), step)["reason"] == "not tied"  # no config at all
