@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus.models.layout import DECODER
 from opus.quant.modules import Int8WeightLinear
 from opus.recipe import register_transform
 
 RECIPE_KIND = "shared_embedding"
-EMBEDDING, HEAD = "model.embed_tokens", "lm_head"
+EMBEDDING, HEAD = DECODER.embedding, DECODER.lm_head
 
 
 class SharedInt8Embedding(nn.Module):
@@ -89,8 +90,7 @@ def share_embedding(model: nn.Module) -> nn.Module:
     embedding = model.get_submodule(EMBEDDING)
     head = _int8_head(model)
     assert head is not None
-    parent = model.get_submodule(EMBEDDING.rpartition(".")[0])
-    setattr(parent, EMBEDDING.rpartition(".")[2], SharedInt8Embedding(head, embedding.weight.dtype))
+    model.set_submodule(EMBEDDING, SharedInt8Embedding(head, embedding.weight.dtype))
     return model
 
 
