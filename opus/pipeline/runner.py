@@ -309,7 +309,7 @@ class Runner:
         job = self._job(stage_id, key, cfg, attempt, remedy, incoming, out_dir)
         outcome = run_worker(
             job, out_dir / JOB_FILE, self.run_dir / "logs" / f"{final.name}.log",
-            stall_timeout_s=self.spec.run.stall_timeout_s,
+            stall_timeout_s=self.spec.run.stall_timeout_s, compile_timeout_s=self.spec.run.compile_timeout_s,
             timeout_s=stage.timeout_s or self.spec.run.stage_timeout_s,
             on_message=lambda m, s=stage_id: self._on_message(s, m), env=env)
         return outcome, time.monotonic() - started

@@ -89,6 +89,9 @@ class WorkloadSpec(Strict):
 class RunSpec(Strict):
     stage_timeout_s: float | None = Field(None, gt=0)
     stall_timeout_s: float = Field(1800.0, gt=0)
+    # One torch compile reports nothing until it ends (a 30-layer model's first took ~4 min here): while
+    # one runs, the watchdog waits this long instead (opus.pipeline.supervise.stall_reason).
+    compile_timeout_s: float = Field(7200.0, gt=0)
     max_retries: int = Field(2, ge=0, le=20)
     min_free_disk_mb: int = Field(256, ge=0)
     # Threads per stage worker; "auto": the cores idle just before each stage starts (opus.runtime.machine).

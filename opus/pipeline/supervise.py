@@ -28,21 +28,44 @@ class WorkerOutcome:
 
 
 class _Listener(threading.Thread):
-    """Reads JSON lines from the worker; every message is a heartbeat."""
+    """Reads JSON lines from the worker; every message is a heartbeat, and a progress message says
+    whether torch is compiling (opus.compile_watch)."""
 
     def __init__(self, fd: int, on_message: Callable[[dict[str, Any]], None]) -> None:
         super().__init__(daemon=True)
         self.stream = os.fdopen(fd, "r")
         self.on_message = on_message
         self.last_beat = time.monotonic()
+        self.compiling = False
 
     def run(self) -> None:
         for line in self.stream:
-            self.last_beat = time.monotonic()
-            try:
-                self.on_message(json.loads(line))
-            except ValueError:
-                continue
+            self.receive(line)
+
+    def receive(self, line: str) -> None:
+        self.last_beat = time.monotonic()
+        try:
+            message = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(message, dict) and message.get("t") == "progress":
+            self.compiling = message.get("compiling") is True
+        self.on_message(message)
+
+
+def stall_reason(silent_s: float, compiling: bool, stall_timeout_s: float, compile_timeout_s: float) -> str | None:
+    """Why a worker silent for ``silent_s`` counts as hung, or None while it may still be working.
+
+    A torch compile reports nothing until it ends and can take many minutes on a large model, so while
+    one runs the limit is ``compile_timeout_s`` (never less than ``stall_timeout_s``)."""
+    if compiling:
+        limit = max(stall_timeout_s, compile_timeout_s)
+        if silent_s > limit:
+            return f"torch compiled for {limit:g} s without finishing (run.compile_timeout_s); stopped"
+        return None
+    if silent_s > stall_timeout_s:
+        return f"no progress for {stall_timeout_s:g} s; stopped"
+    return None
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -85,7 +108,7 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def run_worker(job: Job, job_path: Path, log_path: Path, *, stall_timeout_s: float,
+def run_worker(job: Job, job_path: Path, log_path: Path, *, stall_timeout_s: float, compile_timeout_s: float,
                timeout_s: float | None, on_message: Callable[[dict[str, Any]], None],
                env: dict[str, str] | None = None) -> WorkerOutcome:
     """Run one attempt to completion, or stop it; KeyboardInterrupt stops the worker and re-raises."""
@@ -106,9 +129,10 @@ def run_worker(job: Job, job_path: Path, log_path: Path, *, stall_timeout_s: flo
         while proc.poll() is None:
             time.sleep(POLL_S)
             now = time.monotonic()
-            if now - listener.last_beat > stall_timeout_s:
+            stalled = stall_reason(now - listener.last_beat, listener.compiling, stall_timeout_s, compile_timeout_s)
+            if stalled:
                 _stop(proc)
-                return WorkerOutcome("stalled", f"no progress for {stall_timeout_s:g} s; stopped")
+                return WorkerOutcome("stalled", stalled)
             if timeout_s is not None and now - started > timeout_s:
                 _stop(proc)
                 return WorkerOutcome("timeout", f"ran past its limit of {timeout_s:g} s; stopped")

@@ -152,6 +152,16 @@ def test_watchdog_stops_a_hung_stage(tmp_path: Path) -> None:
     assert rollback["kind"] == "stalled" and "no progress for 10 s" in rollback["reason"]
 
 
+def test_watchdog_waits_longer_inside_a_compile(tmp_path: Path) -> None:
+    # Silent past stall_timeout_s inside a compile: not a stall; past compile_timeout_s: stopped, and said so.
+    hung = {"id": "compiles", "uses": SCALE, "needs": ["base"], "with": {"compile_s": 600}}
+    spec = pipeline([CHAIN[0], hung], run={"stall_timeout_s": 10, "compile_timeout_s": 12})
+    run_dir = tmp_path / "run"
+    assert run_cli("run", write_pipeline(tmp_path / "p.yaml", spec), "--run-dir", run_dir) == 3
+    (rollback,) = summary(run_dir)["rollbacks"]
+    assert rollback["kind"] == "stalled" and "torch compiled for 12 s without finishing" in rollback["reason"]
+
+
 def test_second_process_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = write_pipeline(tmp_path / "p.yaml", pipeline(CHAIN[:1]))
     run_dir = tmp_path / "run"
