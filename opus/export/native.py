@@ -94,7 +94,8 @@ class ExportSettings:
     threads: int | None = None
     last_only: bool = True  # export next-token logits only (when the model supports it)
     seed: int = 0
-    progress: Callable[[str], None] = field(default=lambda what: None, repr=False)
+    # progress(what, done=0, total=None): the stage's progress line and its heartbeat.
+    progress: Callable[..., None] = field(default=lambda what, done=0, total=None: None, repr=False)
 
 
 def make_prompts(tokenizer: Any, vocab: int, s: ExportSettings) -> list[torch.Tensor]:

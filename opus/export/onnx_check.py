@@ -10,8 +10,10 @@ activations at every size in the torch reference, as the graph does (it cannot b
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +50,17 @@ class OrtDecoder:
                                                     "position_ids": positions.astype(np.int64), **past})
         return logits[:, -1], dict(zip(self.past, presents, strict=True))
 
-    def generate(self, ids: np.ndarray, n: int, forced: np.ndarray | None = None,
-                 mask: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray], float]:
-        """``n`` greedy tokens per row (or the ``forced`` ones fed back), each step's last logits, prefill s."""
+    def generate(self, ids: np.ndarray, n: int, forced: np.ndarray | None = None, mask: np.ndarray | None = None,
+                 on_step: Callable[[], None] | None = None) -> tuple[np.ndarray, list[np.ndarray], float]:
+        """``n`` greedy tokens per row (or the ``forced`` ones fed back), each step's last logits, prefill s;
+        ``on_step`` after every step (a heartbeat: a large model's loop runs for minutes)."""
         mask = np.ones(ids.shape, np.int64) if mask is None else mask
         past, feed, tokens, logits, prefill_s = self.empty(ids.shape[0]), ids, [], [], 0.0
         start = time.perf_counter()
         for i in range(n):
             last, past = self.step(feed, mask, past)
+            if on_step is not None:
+                on_step()
             nxt = last.argmax(-1)[:, None].astype(np.int64)
             prefill_s = prefill_s or time.perf_counter() - start
             logits.append(last)
@@ -65,7 +70,8 @@ class OrtDecoder:
         return np.concatenate(tokens, axis=1), logits, prefill_s
 
 
-def torch_generate(model: nn.Module, ids: torch.Tensor, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
+def torch_generate(model: nn.Module, ids: torch.Tensor, n: int,
+                   on_step: Callable[[], None] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """The torch reference: greedy with a growing KV cache; tokens [B, n] and each step's last logits."""
     from opus.kv.cache import GrowingKVCache
     from opus.quant.formats.w8a8 import int8_activations_at_every_size
@@ -79,7 +85,15 @@ def torch_generate(model: nn.Module, ids: torch.Tensor, n: int) -> tuple[np.ndar
             feed = last.argmax(-1, keepdim=True)
             logits.append(last.cpu().numpy())
             tokens.append(feed.cpu().numpy())
+            if on_step is not None:
+                on_step()
     return np.concatenate(tokens, axis=1), logits
+
+
+def _counter(s: ExportSettings, what: str, total: int) -> Callable[[], None]:
+    """Steps done out of ``total``, reported to the stage after each: its progress, ETA and heartbeat."""
+    done = itertools.count(1)
+    return lambda: s.progress(what, next(done), total)
 
 
 def session(path: Path, s: ExportSettings) -> Any:
@@ -91,13 +105,14 @@ def parity(model: nn.Module, sess: Any, meta: dict[str, Any], tokenizer: Any, s:
     n = max(1, s.greedy_tokens)
     max_diff, next_agree, same, total = 0.0, 0, 0, 0
     prompts = make_prompts(tokenizer, meta["vocab_size"], s)
+    step = _counter(s, "onnxruntime parity (cached loop)", 3 * n * len(prompts))  # torch, forced, free
     for prompt in prompts:
-        ref_tokens, ref_logits = torch_generate(model, prompt.to(device), n)
+        ref_tokens, ref_logits = torch_generate(model, prompt.to(device), n, on_step=step)
         ids = prompt.cpu().numpy().astype(np.int64)
-        _, forced_logits, _ = decoder.generate(ids, n, forced=ref_tokens)
+        _, forced_logits, _ = decoder.generate(ids, n, forced=ref_tokens, on_step=step)
         max_diff = max(max_diff, *(float(np.abs(a - b).max()) for a, b in zip(forced_logits, ref_logits, strict=True)))
         next_agree += int(forced_logits[0].argmax(-1)[0] == ref_logits[0].argmax(-1)[0])
-        free, _, _ = decoder.generate(ids, n)
+        free, _, _ = decoder.generate(ids, n, on_step=step)
         same, total = same + int((free == ref_tokens).sum()), total + free.size
     return {"onnx_max_abs_diff": max_diff, "onnx_next_token_agreement": next_agree / len(prompts),
             "onnx_greedy_agreement": same / max(total, 1)}
@@ -108,18 +123,21 @@ def measure(sess: Any, meta: dict[str, Any], s: ExportSettings) -> dict[str, flo
     single = rng.integers(0, meta["vocab_size"], (1, s.input_len), dtype=np.int64)
     batch = rng.integers(0, meta["vocab_size"], (s.batch_size, s.input_len), dtype=np.int64)
 
-    def timed(ids: np.ndarray, n: int, warmup: int, repeats: int) -> tuple[float, float]:
+    d_runs, p_runs = s.warmup + max(s.repeats, D_SAMPLES), max(s.warmup, 1) + s.repeats
+    step = _counter(s, "onnxruntime P and D (cached loop)", d_runs + p_runs * s.new_tokens)
+
+    def timed(ids: np.ndarray, n: int, runs: int, warmup: int) -> tuple[float, float]:
         totals, prefills = [], []
-        for i in range(warmup + repeats):
+        for i in range(runs):
             start = time.perf_counter()
-            _, _, prefill_s = decoder.generate(ids, n)
+            _, _, prefill_s = decoder.generate(ids, n, on_step=step)
             if i >= warmup:
                 totals.append(time.perf_counter() - start)
                 prefills.append(prefill_s)
         return statistics.median(totals), statistics.median([t - p for t, p in zip(totals, prefills, strict=True)])
 
-    ttft, _ = timed(single, 1, s.warmup, max(s.repeats, D_SAMPLES))
-    loop, decode = timed(batch, s.new_tokens, max(s.warmup, 1), s.repeats)
+    ttft, _ = timed(single, 1, d_runs, s.warmup)
+    loop, decode = timed(batch, s.new_tokens, p_runs, max(s.warmup, 1))
     out = {"onnx_ttft_ms": ttft * 1000, "onnx_throughput_tok_s": s.batch_size * s.new_tokens / loop}
     if s.new_tokens > 1 and decode > 0:
         out["onnx_decode_tok_s"] = s.batch_size * (s.new_tokens - 1) / decode

@@ -298,10 +298,8 @@ def export_onnx(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir
         meta = write_meta(out, model, tokenizer, geo, last_only, dtype)
         step = "onnxruntime"
         session = onnx_check.session(out / MODEL_FILE, s)
-        s.progress("onnxruntime parity (cached loop)")
         step = "parity"
         metrics = onnx_check.parity(model, session, meta, tokenizer, s)
-        s.progress("onnxruntime P and D (cached loop)")
         step = "measure"
         metrics.update(onnx_check.measure(session, meta, s))
         metrics["onnx_file_mb"] = sum(p.stat().st_size for p in out.glob(f"{MODEL_FILE}*")) / 2**20
