@@ -57,7 +57,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         batch_size=cfg.batch_size or workload.batch_size, input_len=cfg.input_len or workload.input_len,
         new_tokens=cfg.new_tokens, warmup=workload.warmup, repeats=workload.repeats,
         threads=cfg.threads or thread_count(spec.run.threads), last_only=cfg.last_only,
-        progress=lambda what, done=0, total=None: ctx.progress(done, total, what))
+        progress=lambda what, done=0, total=None: ctx.progress(done, total, what), compiling=ctx.compiling)
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
     # Inside the checkpoint the directory is still temporary: record where it will be once committed.
     # No absolute path in a run file: a ``dir`` export is named relative to the run directory.

@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ FILE = "gguf/model.gguf"
 FALLBACK = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0", "F16", "F32")
 NO_TYPE = "F16"  # a format GGUF has no type for is stored dequantized
 _D = layout.DECODER
+QUANTIZING = "GGUF: quantizing tensors to the plan's types (layers)"
 _LAYER = re.compile(rf"^{re.escape(_D.layers)}\.(\d+)\.(.+)$")
 _EXPERT = re.compile(rf"^{re.escape(_D.mlp)}\.{re.escape(_D.experts)}\.(\d+)\.(\w+)$")
 _BLOCK_OF = {path: name for name, path in BLOCK.items()}
@@ -152,13 +154,15 @@ def _permute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return permute_qk(rows, n_head)
 
 
-def _collect(model: nn.Module, cfg: Any, fam: layout.Family) -> _Tensors:
+def _collect(model: nn.Module, cfg: Any, fam: layout.Family, progress: Callable[..., None]) -> _Tensors:
+    """Every layer's tensors in llama.cpp's names and types; ``progress(what, done, total)`` per layer."""
     out = _Tensors()
     found = layers(model)
     stacks: dict[tuple[int, str], dict[int, Layer]] = defaultdict(dict)
     embedding = model.get_submodule(_D.embedding)
     shared = isinstance(embedding, SharedInt8Embedding)  # the embedding reads the int8 lm_head's rows
-    for name, layer in found.items():
+    for done, (name, layer) in enumerate(found.items()):
+        progress(QUANTIZING, done, len(found))
         if name == _D.lm_head:
             own = getattr(layer.module, "weight", None)  # a quantized lm_head (its own int8 copy) has none
             if isinstance(own, torch.Tensor) and own.data_ptr() == embedding.weight.data_ptr():
@@ -270,9 +274,8 @@ def _write(model: nn.Module, tokenizer: Any, path: Path, settings: ExportSetting
     from opus.export.gguf_vocab import add_tokenizer, check_roundtrip
 
     cfg, fam = _check_model(model)
-    settings.progress("GGUF: quantizing tensors to the plan's types")
     with torch.no_grad():
-        tensors = _collect(model, cfg, fam)
+        tensors = _collect(model, cfg, fam, settings.progress)
     weights: Counter[str] = Counter()
     for _, _, type_name, size in tensors.items.values():
         weights[type_name] += size

@@ -22,7 +22,8 @@ import inspect
 import re
 import shutil
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,20 @@ class ExportSettings:
     seed: int = 0
     # progress(what, done=0, total=None): the stage's progress line and its heartbeat.
     progress: Callable[..., None] = field(default=lambda what, done=0, total=None: None, repr=False)
+    # compiling(True/False): around a call that reports nothing until it ends (opaque_call).
+    compiling: Callable[[bool], None] = field(default=lambda active: None, repr=False)
+
+
+@contextmanager
+def opaque_call(s: ExportSettings) -> Iterator[None]:
+    """torch.export's graph capture and onnxruntime's graph optimization report nothing until they end
+    (minutes on a large model): told to the stage as a compile, so that its line says so and the watchdog
+    waits ``run.compile_timeout_s`` rather than calling the silence a stall."""
+    s.compiling(True)
+    try:
+        yield
+    finally:
+        s.compiling(False)
 
 
 def make_prompts(tokenizer: Any, vocab: int, s: ExportSettings) -> list[torch.Tensor]:

@@ -41,7 +41,14 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from opus.atomic import write_json, write_text
-from opus.export.native import ExportSettings, accepts_last_only, one_line, onnx_translations, vocab_size
+from opus.export.native import (
+    ExportSettings,
+    accepts_last_only,
+    one_line,
+    onnx_translations,
+    opaque_call,
+    vocab_size,
+)
 from opus.export.targets import TargetOutcome
 from opus.kv.cache import CacheBase
 from opus.models import decoder
@@ -294,10 +301,13 @@ def export_onnx(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir
         (Path(out_dir) / ERROR_FILE).unlink(missing_ok=True)
         out.mkdir(parents=True)
         s.progress("exporting to ONNX with a KV cache (dynamo)")
-        export_graph(model, out / MODEL_FILE, geo, last_only)
+        with opaque_call(s):
+            export_graph(model, out / MODEL_FILE, geo, last_only)
         meta = write_meta(out, model, tokenizer, geo, last_only, dtype)
         step = "onnxruntime"
-        session = onnx_check.session(out / MODEL_FILE, s)
+        s.progress("onnxruntime: loading and optimizing the graph")
+        with opaque_call(s):
+            session = onnx_check.session(out / MODEL_FILE, s)
         step = "parity"
         metrics = onnx_check.parity(model, session, meta, tokenizer, s)
         step = "measure"

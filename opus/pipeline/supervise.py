@@ -37,6 +37,7 @@ class _Listener(threading.Thread):
         self.on_message = on_message
         self.last_beat = time.monotonic()
         self.compiling = False
+        self.last_phase = ""  # the last progress message's phase: where a stopped worker was
 
     def run(self) -> None:
         for line in self.stream:
@@ -50,21 +51,33 @@ class _Listener(threading.Thread):
             return
         if isinstance(message, dict) and message.get("t") == "progress":
             self.compiling = message.get("compiling") is True
+            self.last_phase = _phase(message) or self.last_phase
         self.on_message(message)
 
 
-def stall_reason(silent_s: float, compiling: bool, stall_timeout_s: float, compile_timeout_s: float) -> str | None:
-    """Why a worker silent for ``silent_s`` counts as hung, or None while it may still be working.
+def _phase(progress: dict[str, Any]) -> str:
+    """A progress message as a person reads it: ``what done/total``."""
+    done, total = progress.get("done"), progress.get("total")
+    count = f"{done:g}" if isinstance(done, (int, float)) and done else ""
+    if count and isinstance(total, (int, float)) and total:
+        count += f"/{total:g}"
+    return " ".join(x for x in (str(progress.get("what") or ""), count) if x)
+
+
+def stall_reason(silent_s: float, compiling: bool, stall_timeout_s: float, compile_timeout_s: float,
+                 phase: str = "") -> str | None:
+    """Why a worker silent for ``silent_s`` in ``phase`` counts as hung, or None while it may still be working.
 
     A torch compile reports nothing until it ends and can take many minutes on a large model, so while
     one runs the limit is ``compile_timeout_s`` (never less than ``stall_timeout_s``)."""
+    where = f" (last: {phase})" if phase else ""
     if compiling:
         limit = max(stall_timeout_s, compile_timeout_s)
         if silent_s > limit:
-            return f"torch compiled for {limit:g} s without finishing (run.compile_timeout_s); stopped"
+            return f"torch compiled for {limit:g} s without finishing{where}; stopped (run.compile_timeout_s)"
         return None
     if silent_s > stall_timeout_s:
-        return f"no progress for {stall_timeout_s:g} s; stopped"
+        return f"no progress for {stall_timeout_s:g} s{where}; stopped"
     return None
 
 
@@ -129,7 +142,8 @@ def run_worker(job: Job, job_path: Path, log_path: Path, *, stall_timeout_s: flo
         while proc.poll() is None:
             time.sleep(POLL_S)
             now = time.monotonic()
-            stalled = stall_reason(now - listener.last_beat, listener.compiling, stall_timeout_s, compile_timeout_s)
+            stalled = stall_reason(now - listener.last_beat, listener.compiling, stall_timeout_s, compile_timeout_s,
+                                   listener.last_phase)
             if stalled:
                 _stop(proc)
                 return WorkerOutcome("stalled", stalled)

@@ -13,7 +13,7 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from opus.export.gguf_mix import FALLBACK, FILE, export_gguf, stored_type  # noqa: E402
+from opus.export.gguf_mix import FALLBACK, FILE, QUANTIZING, export_gguf, stored_type  # noqa: E402
 from opus.export.gguf_q4k import quantize_q4_k  # noqa: E402
 from opus.export.native import ExportSettings  # noqa: E402
 from opus.export.unfused import layers  # noqa: E402
@@ -189,8 +189,13 @@ def test_a_tied_lm_head_quantized_on_its_own_is_written_as_output(k3_tokenizer, 
     ref = model(_data())
     quantize_model(model, {"lm_head": "w8a8"}, None)
     assert model.model.embed_tokens.weight.dtype == torch.float32  # the embedding stays as it was
-    outcome = export_gguf(model, k3_tokenizer, {}, tmp_path, _settings())
+    counted: list[tuple] = []
+    settings = _settings()
+    settings.progress = lambda what, done=0, total=None: counted.append((what, done, total))
+    outcome = export_gguf(model, k3_tokenizer, {}, tmp_path, settings)
     assert outcome.exported, outcome.reason
+    per_layer = [(done, total) for what, done, total in counted if what == QUANTIZING]  # the stage's heartbeat
+    assert per_layer == [(i, len(layers(model))) for i in range(len(layers(model)))]
     types = _types(tmp_path / FILE)
     assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "F32"
     loaded, _ = load_model({"gguf": str(tmp_path / FILE)})

@@ -141,14 +141,21 @@ def test_w8a8_quantized_model(tmp_path: Path) -> None:
     model = tiny_lm("llama", layers=1)  # one layer: the export is what takes the time
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n]
     step = quantize_model(model, {n: "w8a8" for n in linears}, None)
-    reported: list[tuple] = []
-    progress = lambda what, done=0, total=None: reported.append((what, done, total))  # noqa: E731
-    outcome = export_onnx(model, None, {"recipe": [step]}, tmp_path, settings(progress=progress))
+    told: list[tuple] = []  # what the stage was told, in order
+    outcome = export_onnx(model, None, {"recipe": [step]}, tmp_path, settings(
+        progress=lambda what, done=0, total=None: told.append((what, done, total)),
+        compiling=lambda active: told.append(("compiling", active))))
     assert_parity(outcome, 1e-3)
+    # The two calls that say nothing until they end (torch.export, onnxruntime's graph optimization) are
+    # told to the stage as compiles: the watchdog waits run.compile_timeout_s through them.
+    phases = [t for t in told if t[0] == "compiling" or t[1] == 0]
+    opaque = [("compiling", True), ("compiling", False)]
+    assert phases == [("exporting to ONNX with a KV cache (dynamo)", 0, None), *opaque,
+                      ("onnxruntime: loading and optimizing the graph", 0, None), *opaque], phases
     # Every step of the onnxruntime loops is counted to its total: the stage's progress, ETA and heartbeat.
     for what, total in (("onnxruntime parity (cached loop)", 3 * 4 * 2),  # torch, forced, free; 4 tokens, 2 prompts
                         ("onnxruntime P and D (cached loop)", 9 + 2 * 3)):  # D: 9 one-step runs; P: 2 runs × 3
-        counts = [(d, t) for w, d, t in reported if w == what]
+        counts = [t[1:] for t in told if t[0] == what]
         assert counts == [(i, total) for i in range(1, total + 1)], what
     graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
     assert any(n.op_type == "MatMulInteger" for n in graph.node)

@@ -149,7 +149,7 @@ def test_watchdog_stops_a_hung_stage(tmp_path: Path) -> None:
     assert run_cli("run", path, "--run-dir", run_dir) == 3
     assert time.monotonic() - started < 60
     (rollback,) = summary(run_dir)["rollbacks"]
-    assert rollback["kind"] == "stalled" and "no progress for 10 s" in rollback["reason"]
+    assert rollback["kind"] == "stalled" and "no progress for 10 s (last: scaling 1/1)" in rollback["reason"]
 
 
 def test_watchdog_waits_longer_inside_a_compile(tmp_path: Path) -> None:

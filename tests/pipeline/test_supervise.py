@@ -15,6 +15,8 @@ def test_a_compile_gets_its_own_limit_never_a_shorter_one() -> None:
     # A compile limit below the stall limit does not make the watchdog stricter while compiling.
     assert stall_reason(9, True, stall_timeout_s=10, compile_timeout_s=5) is None
     assert stall_reason(9, False, stall_timeout_s=10, compile_timeout_s=5) is None
+    # Where the worker was: its last progress message's phase.
+    assert stall_reason(11, False, 10, 100, "P 3/8") == "no progress for 10 s (last: P 3/8); stopped"
 
 
 def test_listener_follows_compile_start_and_end() -> None:
@@ -22,7 +24,7 @@ def test_listener_follows_compile_start_and_end() -> None:
     os.close(write_fd)
     seen: list[dict] = []
     listener = _Listener(read_fd, seen.append)
-    messages = [{"t": "progress", "done": 1, "what": "P"},
+    messages = [{"t": "progress", "done": 1, "total": 8, "what": "P"},
                 {"t": "progress", "done": 1, "what": "P", "compiling": True},
                 {"t": "log", "message": "a log line while compiling"},
                 {"t": "progress", "done": 1, "what": "P", "compiling": False}]
@@ -30,8 +32,10 @@ def test_listener_follows_compile_start_and_end() -> None:
     for message in messages:
         listener.receive(json.dumps(message) + "\n")
         states.append(listener.compiling)
-    assert states == [False, True, True, False]
-    assert seen == messages
+    assert states == [False, True, True, False] and listener.last_phase == "P 1"
+    listener.receive(json.dumps({"t": "progress", "done": 3, "total": 8, "what": "P"}) + "\n")
+    assert listener.last_phase == "P 3/8"  # what a stopped stage's rollback names
+    assert seen[:4] == messages
     listener.receive("not json\n")  # a heartbeat all the same, and nothing passed on
-    assert len(seen) == 4
+    assert len(seen) == 5
     listener.stream.close()
