@@ -90,12 +90,12 @@ class StageProgress:
         """Remaining seconds at the rate measured since the first counted message; unknown while torch
         compiles: a compile of minutes advances no unit, and the rate then fell by the minute (an ETA of 35
         hours for a stage that took 11 minutes). The compiles that ended are in the rate: more may come."""
-        if self.total is None or self.done is None or self.anchor is None:
-            return None
+        if self.total is None or self.done is None or self.anchor is None or self.compiling_since is not None:
+            return None  # compiling: also after a phase's last unit (the plan's check compiles its next model)
         if self.done >= self.total:
             return 0.0
         since, first = self.anchor
-        if self.done <= first or now <= since or self.compiling_since is not None:
+        if self.done <= first or now <= since:
             return None
         return (now - since) / (self.done - first) * (self.total - self.done)
 

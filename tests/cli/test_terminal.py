@@ -216,3 +216,7 @@ def test_while_torch_compiles_the_line_says_so_and_the_eta_is_unknown() -> None:
     assert stage.label(196.0) == "P" and stage.eta_s(196.0) == pytest.approx(96 / 2 * 8)
     stage.observe({"done": 2, "total": 10, "what": "P"}, now=197.0)  # a plain message keeps the state
     assert stage.label(197.0) == "P"
+    # A phase counted to its end, then a compile (the plan's check builds and compiles its next model):
+    # unknown, not 0:00.
+    stage.observe({"done": 10, "total": 10, "what": "P", "compiling": True}, now=198.0)
+    assert stage.eta_s(199.0) is None
