@@ -72,9 +72,9 @@ def stall_reason(silent_s: float, compiling: bool, stall_timeout_s: float, compi
     one runs the limit is ``compile_timeout_s`` (never less than ``stall_timeout_s``)."""
     where = f" (last: {phase})" if phase else ""
     if compiling:
-        limit = max(stall_timeout_s, compile_timeout_s)
+        limit, key = max((compile_timeout_s, "run.compile_timeout_s"), (stall_timeout_s, "run.stall_timeout_s"))
         if silent_s > limit:
-            return f"torch compiled for {limit:g} s without finishing{where}; stopped (run.compile_timeout_s)"
+            return f"torch compiled for {limit:g} s without finishing{where}; stopped ({key})"
         return None
     if silent_s > stall_timeout_s:
         return f"no progress for {stall_timeout_s:g} s{where}; stopped"

@@ -14,6 +14,8 @@ def test_a_compile_gets_its_own_limit_never_a_shorter_one() -> None:
     assert "torch compiled for 100 s" in stall_reason(101, True, stall_timeout_s=10, compile_timeout_s=100)
     # A compile limit below the stall limit does not make the watchdog stricter while compiling.
     assert stall_reason(9, True, stall_timeout_s=10, compile_timeout_s=5) is None
+    assert stall_reason(11, True, stall_timeout_s=10, compile_timeout_s=5).endswith("(run.stall_timeout_s)")
+    assert stall_reason(101, True, stall_timeout_s=10, compile_timeout_s=100).endswith("(run.compile_timeout_s)")
     assert stall_reason(9, False, stall_timeout_s=10, compile_timeout_s=5) is None
     # Where the worker was: its last progress message's phase.
     assert stall_reason(11, False, 10, 100, "P 3/8") == "no progress for 10 s (last: P 3/8); stopped"
