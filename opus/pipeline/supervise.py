@@ -50,7 +50,9 @@ class _Listener(threading.Thread):
         except ValueError:
             return
         if isinstance(message, dict) and message.get("t") == "progress":
-            self.compiling = message.get("compiling") is True
+            flag = message.get("compiling")  # absent: the state stands, as on the stage's line (progress.py)
+            if isinstance(flag, bool):
+                self.compiling = flag
             self.last_phase = _phase(message) or self.last_phase
         self.on_message(message)
 

@@ -29,15 +29,16 @@ def test_listener_follows_compile_start_and_end() -> None:
     messages = [{"t": "progress", "done": 1, "total": 8, "what": "P"},
                 {"t": "progress", "done": 1, "what": "P", "compiling": True},
                 {"t": "log", "message": "a log line while compiling"},
+                {"t": "progress", "done": 1, "what": "P"},  # a plain message while compiling: still compiling
                 {"t": "progress", "done": 1, "what": "P", "compiling": False}]
     states = []
     for message in messages:
         listener.receive(json.dumps(message) + "\n")
         states.append(listener.compiling)
-    assert states == [False, True, True, False] and listener.last_phase == "P 1"
+    assert states == [False, True, True, True, False] and listener.last_phase == "P 1"
     listener.receive(json.dumps({"t": "progress", "done": 3, "total": 8, "what": "P"}) + "\n")
     assert listener.last_phase == "P 3/8"  # what a stopped stage's rollback names
-    assert seen[:4] == messages
+    assert seen[:5] == messages
     listener.receive("not json\n")  # a heartbeat all the same, and nothing passed on
-    assert len(seen) == 5
+    assert len(seen) == 6
     listener.stream.close()
