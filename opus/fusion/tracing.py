@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import operator
+import sys
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -105,8 +107,37 @@ class RegionTracer(fx.Tracer):
         return not any(True for _ in m.children())
 
 
+def release_dead_wrap_registrations() -> int:
+    """Drop torch.fx's registrations of generated code that nothing uses any more; how many went.
+
+    The code fx generates for a graph that calls a ``torch.fx.wrap``-ed function (Opus's fused ops)
+    registers its globals in a process-wide table on every recompile, so that a retrace of that
+    GraphModule keeps the call a leaf, and the table never lets go (torch 2.13). Every trace then
+    patches every entry, live or dead: one process that fuses many models (a Ray worker, a server,
+    the test suite) spent most of each trace there, and kept every generated module's globals.
+    A globals dict that only the table still holds belongs to code no one can call again.
+    """
+    from torch.fx import _symbolic_trace
+
+    table = getattr(_symbolic_trace, "_wrapped_fns_to_patch", None)
+    if not isinstance(table, dict):  # a torch that keeps it otherwise: nothing to release
+        return 0
+    held = Counter(id(g) for g in table.values())
+    dead = []
+    for key in list(table):  # keys only: a list of the items would hold the dicts too
+        frame_globals = table[key]
+        # The references: the table's own (one per wrapped name), this local, getrefcount's argument.
+        if "__name__" not in frame_globals and sys.getrefcount(frame_globals) == held[id(frame_globals)] + 2:
+            dead.append(key)
+        del frame_globals
+    for key in dead:
+        del table[key]
+    return len(dead)
+
+
 def trace(module: nn.Module, opaque: set[str] | None = None) -> fx.GraphModule:
     """Trace ``module``; ``opaque`` names (relative to it) stay single call_module nodes."""
+    release_dead_wrap_registrations()
     tracer = RegionTracer(opaque or set())
     graph = tracer.trace(module)
     gm = fx.GraphModule(tracer.root, graph, type(module).__name__)
