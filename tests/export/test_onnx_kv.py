@@ -157,8 +157,16 @@ def test_w8a8_quantized_model(tmp_path: Path) -> None:
                         ("onnxruntime P and D (cached loop)", 9 + 2 * 3)):  # D: 9 one-step runs; P: 2 runs × 3
         counts = [t[1:] for t in told if t[0] == what]
         assert counts == [(i, total) for i in range(1, total + 1)], what
-    graph = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False).graph
-    assert any(n.op_type == "MatMulInteger" for n in graph.node)
+    proto = onnx.load(str(tmp_path / "onnx" / "model.onnx"), load_external_data=False)
+    graph = onnx.shape_inference.infer_shapes(proto).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    matmuls = [n for n in graph.node if n.op_type == "MatMulInteger"]
+    # uint8 x uint8 with zero points: onnxruntime's fast integer GEMMs (int8 x int8 is its slow path), and
+    # exact on every CPU (uint8 x int8 can saturate without VNNI). Parity above: the same integer products.
+    assert len(matmuls) == len(linears)
+    for node in matmuls:
+        assert [types.get(name) for name in node.input] == [onnx.TensorProto.UINT8] * 4, node.name
 
 
 def test_a_tied_embedding_read_from_the_int8_head_runs_on_onnxruntime(tmp_path: Path) -> None:
