@@ -114,6 +114,11 @@ def _attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         raise ValueError("an exported graph reads float K/V; this cache handed attention int8 bytes")
     if mask is None:
         return decoder.attend(q, k, v, causal, gqa)
+    # As an additive float mask: torch.onnx writes a bool one as a Where and a NaN guard (IsNaN, Where) over
+    # the whole score tensor (a fifth of K3's onnxruntime prefill). finfo.min gives the same softmax in every
+    # row that sees a key, and finite values in the rows that see none (left padding, whose output no
+    # visible query reads), where -inf would give NaN.
+    mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, torch.finfo(q.dtype).min)
     b, heads, t, d = q.shape
     group = heads // k.shape[1]
     if group == 1:

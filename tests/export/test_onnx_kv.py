@@ -101,6 +101,10 @@ def test_float32_graph_names_metadata_and_parity(float_export) -> None:
     assert (meta["num_layers"], meta["num_kv_heads"], meta["head_dim"], meta["kv_dtype"]) == (2, 2, 8, "float32")
     assert meta["tokenizer"] == "tokenizer.json" and (out / "onnx" / "tokenizer.json").is_file()
     assert (out / "onnx" / "model.onnx.data").is_file() and not (out / ERROR_FILE).exists()
+    # The padding mask reaches attention as an additive float mask: no NaN guard over every score tensor
+    # (a bool mask's translation), and left-padded rows stay finite (test_left_padding... checks them).
+    graph = onnx.load(str(out / "onnx" / "model.onnx"), load_external_data=False).graph
+    assert not [n.name for n in graph.node if n.op_type == "IsNaN"]
     # The export's per-row RoPE and padded attention were swapped back out of the model.
     assert type(model.model.rotary_emb) is RotaryEmbedding and type(model.model.layers[1].self_attn) is Attention
 
