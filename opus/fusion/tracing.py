@@ -123,12 +123,15 @@ def release_dead_wrap_registrations() -> int:
     if not isinstance(table, dict):  # a torch that keeps it otherwise: nothing to release
         return 0
     held = Counter(id(g) for g in table.values())
+    # What a dict held by a local alone counts here (the local and getrefcount's argument on CPython 3.11;
+    # interpreters that skip counting locals count less): measured, not assumed.
+    probe: dict = {}
+    unheld = sys.getrefcount(probe)
     dead = []
     for key in list(table):  # keys only: a list of the items would hold the dicts too
         frame_globals = table[key]
-        # The references: the table's own (one per wrapped name), this local, getrefcount's argument.
-        if "__name__" not in frame_globals and sys.getrefcount(frame_globals) == held[id(frame_globals)] + 2:
-            dead.append(key)
+        if "__name__" not in frame_globals and sys.getrefcount(frame_globals) - held[id(frame_globals)] == unheld:
+            dead.append(key)  # beyond the table's own references (one per wrapped name), only this local's
         del frame_globals
     for key in dead:
         del table[key]
