@@ -24,6 +24,8 @@ COLD_COPIES_MAX = 64
 # this many weight bytes: a second copy of the weights, worth it for small experts, whose decode step pays
 # for GEMM calls rather than bytes (K3's gate/up: 0.75 MiB a layer).
 MERGED_EXPERTS_MAX_BYTES = 32 << 20
+# Graphs the compiled kernel caller may hold while the planner times (formats x kernels x shape variants).
+KERNEL_GRAPHS_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,9 @@ def _compiled_kernel() -> Any:
 def _kernel(layer: nn.Module, rows: int) -> tuple[Any, tuple] | None:
     """The layer's pure kernel at ``rows`` rows (QuantLinear.kernel; ``F.linear`` for a float linear), or None."""
     if type(layer) is nn.Linear:
-        return F.linear, (layer.weight, layer.bias)
+        # Plain tensors, not Parameters: dynamo keeps a Parameter's shape static (one graph per shape),
+        # and the planner times more shapes than its recompile limit (8) on any real model.
+        return F.linear, (layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
     kernel = getattr(layer, "kernel", None)
     return kernel(rows) if kernel is not None else None
 
@@ -91,7 +95,12 @@ def time_formats(formats: list[str], shape: Shape, device: str, dtype: torch.dty
             fn, tensors = next(kernel_turn)
             return run(x, fn, tensors)
 
-        call()  # compiles (once per kernel function) outside the timed rounds
+        # Compiles outside the timed rounds, each copy's kernel called once (one that needs a graph of its own
+        # gets it here, not in a timed round). The limit is the planner's: every format's kernels, at every
+        # shape and row count, pass through this one caller (dynamo's default: 8 graphs a function).
+        with torch._dynamo.config.patch(recompile_limit=KERNEL_GRAPHS_MAX):
+            for _ in kernels:
+                call()
         return [eager, Option(f"{fmt} compiled", lambda: statistics.median(wall_clock(call) for _ in range(calls)))]
 
     samples = interleave([o for fmt in formats for o in options(fmt)], rounds, timer=reported)

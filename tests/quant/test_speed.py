@@ -32,6 +32,15 @@ def test_compiled_timings_join_the_eager_ones_and_each_round_keeps_the_faster(ro
     assert set(seen) == {"fp32", "w8a8"}  # an eager runtime: eager timings only
 
 
+def test_a_model_with_more_linear_shapes_than_dynamos_recompile_limit_is_timed_compiled() -> None:
+    """A real model's planner times a dozen or more (in, out, rows) shapes through one compiled caller. A float
+    linear's Parameters kept their shapes static in dynamo, one graph per shape: the ninth failed the plan stage
+    (FailOnRecompileLimitHit) on the GPU pipeline's toy model and would on any real LLM."""
+    for in_features in range(32, 32 * 11, 32):  # ten shapes, each new to this process
+        taken = time_formats(["fp32"], Shape(in_features, 48, 64), "cpu", torch.float32, 32, rounds=1, compiled=True)
+        assert len(taken["fp32"]) == 1
+
+
 class RecordingTimer:
     """Stands in for KernelTimer: records the (in, out, rows) shapes asked for, each taking 1 ms a round."""
 
