@@ -61,7 +61,7 @@ class OrtDecoder:
             last, past = self.step(feed, mask, past)
             nxt = last.argmax(-1)[:, None].astype(np.int64)
             prefill_s = prefill_s or time.perf_counter() - start
-            if on_step is not None:  # after the prefill's clock: one pipe write (~20 µs) per step
+            if on_step is not None:  # after the prefill's clock: one pipe write (~8 µs) per step
                 on_step()
             logits.append(last)
             tokens.append(nxt)

@@ -51,7 +51,7 @@ def _kernel(layer: nn.Module, rows: int) -> tuple[Any, tuple] | None:
     """The layer's pure kernel at ``rows`` rows (QuantLinear.kernel; ``F.linear`` for a float linear), or None."""
     if type(layer) is nn.Linear:
         # Plain tensors, not Parameters: dynamo keeps a Parameter's shape static (one graph per shape),
-        # and the planner times more shapes than its recompile limit (8) on any real model.
+        # and a real model's planner times more shapes than dynamo's recompile limit (8).
         return F.linear, (layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
     kernel = getattr(layer, "kernel", None)
     return kernel(rows) if kernel is not None else None
