@@ -137,15 +137,20 @@ class LoadedModel:
         return out
 
 
-def load(path: str | Path, device: str | None = None, eager: bool = False) -> LoadedModel:
+def load(path: str | Path, device: str | None = None, eager: bool = False, trust_code: bool = False) -> LoadedModel:
     """The model of an export directory, or of a run directory: its last export stage's export, else its
     final checkpoint (the last kept stage's model state). ``device``: default the one it was made for.
     ``eager``: decode steps run eagerly whatever the run chose (as ``opus serve --eager``): no compile
     for each new batch or length, slower steps.
 
-    Not a directory of either kind, or a run with nothing kept yet: ``InputError``.
+    ``trust_code``: a run or an export may come from anyone; code named in its files (a model factory, a
+    module that is not Opus's own) runs only when you pass True, as transformers' ``trust_remote_code``,
+    and then only from installed packages, never from the directory itself (opus.trust).
+
+    Not a directory of either kind, a run with nothing kept yet, or code it names without ``trust_code``:
+    ``InputError``.
     """
     from opus.export.loading import load_made
 
-    loaded, origin = load_made(Path(path), device)
+    loaded, origin = load_made(Path(path), device, trust_code)
     return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, origin, eager)

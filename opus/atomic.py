@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,22 @@ def write_yaml(path: Path, obj: Any) -> None:
     write_text(path, yaml.safe_dump(obj, sort_keys=False, allow_unicode=True))
 
 
+def not_a_regular_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (missing, a directory, a FIFO, a device...), or None.
+
+    Asked before opening anything a user or a stranger named: opening a FIFO blocks until someone
+    writes to it, and a device never ends."""
+    try:
+        mode = os.stat(path).st_mode  # follows a symlink: what would be opened
+    except OSError as exc:
+        return "missing" if isinstance(exc, FileNotFoundError) else exc.strerror or str(exc)
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return "not a regular file: " + next((kind for test, kind in kinds.items() if test(mode)), "a special file")
+
+
 def fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
@@ -65,17 +82,48 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def member_problem(directory: Path, name: object) -> str | None:
+    """Why ``name``, read from a record in ``directory``, is not a regular file inside it, or None.
+
+    A record may come from a stranger: an absolute name, a ``..`` or a symlink out of the directory
+    would read another file; a FIFO would block."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return f"{name!r} is not a file name inside the directory"
+    file = Path(directory) / name
+    if not file.resolve().is_relative_to(Path(directory).resolve()):
+        return f"{name} leads out of the directory (a symlink to {file.resolve()})"
+    problem = not_a_regular_file(file)
+    return None if problem is None else f"{name} is {problem}"
+
+
 def first_mismatch(directory: Path, digests: dict[str, str], record: str) -> str | None:
     """None when every file named in ``digests`` (paths relative to ``directory``) matches its sha256,
-    else what the first one that does not is: missing or changed since ``record`` listed it."""
+    else what the first one that does not is: missing, not a file inside the directory, or changed since
+    ``record`` listed it."""
+    if not isinstance(digests, dict):
+        return f"{record} lists no files"
     for name, digest in digests.items():
         file = directory / name
-        if not file.is_file():
-            return f"{name} is missing"
+        if problem := member_problem(directory, name):
+            return problem
         if sha256_file(file) != digest:
             return f"{name} does not match its sha256 in {record}"
     return None
 
 
-def read_json(path: Path) -> Any:
+# Opus's own records are kilobytes to a few megabytes; a larger one is not read into memory.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON in ``path``; ValueError for invalid JSON, a text that is not UTF-8, a file over
+    ``max_bytes`` or anything but a regular file (a FIFO would block the read)."""
+    problem = not_a_regular_file(Path(path))
+    if problem == "missing":
+        raise FileNotFoundError(f"no such file: {path}")
+    if problem:
+        raise ValueError(problem)
+    size = Path(path).stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{size} bytes, more than the {max_bytes} a record may have")
     return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from opus import trust
+
 OLD_TO_NEW = {
     "opus.spec": "opus.pipeline.spec",
     "opus.yaml_lines": "opus.pipeline.yaml_lines",
@@ -67,5 +69,9 @@ def current_name(module_name: str) -> str:
     return OLD_TO_NEW.get(module_name, module_name)
 
 
-def import_module(module_name: str) -> ModuleType:
-    return importlib.import_module(current_name(module_name))
+def import_module(module_name: str, what: str = "a record") -> ModuleType:
+    """Import a module named in a file on disk (``what`` names the field, for the refusal): while a run or an
+    export is being loaded, only what opus.trust allows."""
+    name = current_name(module_name)
+    trust.check_import(name, what)
+    return importlib.import_module(name)

@@ -34,7 +34,7 @@ def apply_step(model: Any, step: dict[str, Any]) -> Any:
     """Apply one recipe step; returns the (possibly replaced) model."""
     kind = step.get("kind")
     if kind not in _APPLIERS and kind in _PROVIDERS:
-        moved.import_module(_PROVIDERS[kind])
+        moved.import_module(_PROVIDERS[kind], f"the provider of the recipe step {kind!r}")
     if kind not in _APPLIERS:
         known = ", ".join(sorted(set(_APPLIERS) | set(_PROVIDERS))) or "none"
         raise ValueError(f"recipe step of unknown kind '{kind}' (known: {known})")

@@ -155,7 +155,12 @@ def test_load_a_run_without_export_gives_its_final_checkpoint(tmp_path: Path) ->
                     model={"factory": "tests.stages.test_export:tiny_llama"})
     path = write_pipeline(tmp_path / "p.yaml", spec)
     assert opus.run(path, run_dir=tmp_path / "run", quiet=True)["status"] == "finished"
-    lm = opus.load(tmp_path / "run")
+    # Its pipeline.yaml names a factory, code: a run (or one of its checkpoints) loads it only when trusted.
+    with pytest.raises(InputError, match="factory is the function 'tests.stages.test_export:tiny_llama'"):
+        opus.load(tmp_path / "run")
+    with pytest.raises(InputError, match="pass trust_code=True"):
+        opus.load(tmp_path / "run" / "stages" / "00-scale")
+    lm = opus.load(tmp_path / "run", trust_code=True)
     assert lm.path.resolve() == (tmp_path / "run" / "stages" / "00-scale").resolve() and lm.tokenizer is None
     ids = [3, 1, 4, 1, 5]
     assert lm.generate_ids([ids], 5)[0] == _greedy_argmax(lm.model, ids, 5)
@@ -172,7 +177,7 @@ def test_load_a_run_without_export_gives_its_final_checkpoint(tmp_path: Path) ->
     with pytest.raises(InputError, match="00-scale: the checkpoint is damaged"):
         resolve_target(tmp_path / "run", tmp_path)  # nor is it what `opus bench` measures
     assert run_cli("resume", tmp_path / "run") == 0
-    assert opus.load(tmp_path / "run").generate_ids([ids], 5)[0] == _greedy_argmax(lm.model, ids, 5)
+    assert opus.load(tmp_path / "run", trust_code=True).generate_ids([ids], 5)[0] == _greedy_argmax(lm.model, ids, 5)
 
 
 def test_eager_load_runs_the_chosen_cache_without_compiling() -> None:

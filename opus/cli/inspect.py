@@ -13,6 +13,7 @@ from opus.atomic import read_json
 from opus.errors import EXIT_OK, InputError
 from opus.pipeline.events import EventLog
 from opus.pipeline.progress import PROGRESS_FILE, RunEta, describe_running, format_duration
+from opus.pipeline.run_files import read_run_info
 
 
 def add_parsers(sub: Any) -> None:
@@ -44,6 +45,7 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     events = EventLog(run_dir).read()
     if not (run_dir / "run.json").is_file():
         raise InputError("not a run directory (no run.json)", file=str(run_dir))
+    read_run_info(run_dir / "run.json", "cannot tell the run's status")  # a torn run.json is no finished run
     stages: dict[str, str] = {}
     for event in events:
         name = event["event"]
@@ -112,7 +114,11 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if not runs:
         print(f"no runs in {args.runs_dir}")
     for run_dir in runs:
-        state = run_state(run_dir)
+        try:
+            state = run_state(run_dir)
+        except InputError:  # one torn run.json must not hide the other runs
+            print(f"{run_dir.name:<40} damaged run file")
+            continue
         ratios = (state["summary"] or {}).get("ratios", {})
         shown = "  ".join(f"{k.split('_')[0]} ×{v:.2f}" for k, v in ratios.items())
         print(f"{run_dir.name:<40} {state['status']:<20} {shown}")

@@ -6,6 +6,7 @@ opus.cli.main only registers this; the server (FastAPI, uvicorn, torch) is impor
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from opus.errors import EXIT_OK, InputError, OpusError
+from opus.serve.guard import DEFAULT_MAX_BODY_BYTES
 
 
 def add_parsers(sub: Any) -> None:
@@ -39,12 +41,21 @@ def add_parsers(sub: Any) -> None:
     mode.add_argument("--eager", action="store_true", help="run decode steps eagerly, whatever the run chose")
     mode.add_argument("--compile", action="store_true", help="compile decode steps, whatever the run chose")
     serve.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks of common prompt prefixes")
+    serve.add_argument("--api-key", default=os.environ.get("OPUS_API_KEY") or None,
+                       help="every route but /health then needs 'Authorization: Bearer KEY' (default: $OPUS_API_KEY; "
+                            "none: anyone who reaches the port may use the model)")
+    serve.add_argument("--max-body-kb", type=int, default=DEFAULT_MAX_BODY_BYTES // 1024,
+                       help=f"largest request body accepted (default {DEFAULT_MAX_BODY_BYTES // 1024}); "
+                            "max_tokens is bounded by the model's context")
+    serve.add_argument("--trust-code", action="store_true",
+                       help="let the run or export name code to run (a model factory, a module that is not Opus's "
+                            "own), from installed packages only; without it such a directory is refused")
 
 
 def _settings(args: argparse.Namespace) -> Any:
     from opus.serve.loader import ServeSettings
 
-    for name in ("max_batch", "block_size", "max_waiting", "prefill_chunk"):
+    for name in ("max_batch", "block_size", "max_waiting", "prefill_chunk", "max_body_kb"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.kv_budget_mb is not None and args.kv_budget_mb <= 0:
@@ -53,6 +64,15 @@ def _settings(args: argparse.Namespace) -> Any:
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
                          compile=True if args.compile else False if args.eager else None,
                          prefix_caching=not args.no_prefix_cache)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _check_port(host: str, port: int) -> None:
@@ -76,16 +96,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         template = args.chat_template.read_text()
     settings = _settings(args)
     _check_port(args.host, args.port)  # before minutes of loading and compiling, not after
+    if not args.api_key and not _loopback(args.host):
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach port {args.port} can use "
+              "the model (and its memory and cores); set --api-key or OPUS_API_KEY, or bind 127.0.0.1",
+              file=sys.stderr, flush=True)
     import torch
     import uvicorn
 
     from opus.serve.app import create_app
+    from opus.serve.guard import Guard
     from opus.serve.loader import load_served
 
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    served = load_served(args.path, settings, args.name)
+    served = load_served(args.path, settings, args.name, trust_code=args.trust_code)
     print(f"loaded {served.describe()}", flush=True)
     engine = served.engine
     if engine.steps.compiled:
@@ -100,8 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # them when it is done: by then the shutdown is complete, so they must not turn into an error exit.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    config = uvicorn.Config(create_app(served, template), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=None)
+    app = Guard(create_app(served, template), args.api_key, args.max_body_kb * 1024)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
     server = uvicorn.Server(config)
     server.run()
     if engine.error is not None:

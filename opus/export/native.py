@@ -31,13 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.atomic import first_mismatch, read_json, sha256_file, write_json, write_text
+from opus.atomic import first_mismatch, member_problem, read_json, sha256_file, write_json, write_text
 from opus.errors import InputError
 from opus.export.targets import TargetOutcome
 from opus.pipeline.checkpoint import commit as swap_in
 from opus.pipeline.checkpoint import new_temp_dir
-from opus.pipeline.run_files import relative_path, resolve_from
+from opus.pipeline.run_files import relative_path
 from opus.pipeline.state import Materialized, apply_state, changed_tensors
+from opus.trust import loading
 
 EXPORT_FILE = "opus-export.json"
 ONNX_FILE = "model.onnx"
@@ -327,29 +328,60 @@ def _empty_model(export_dir: Path, dtype: str, device: str) -> tuple[nn.Module, 
     return model.eval(), load_hf_tokenizer(export_dir)
 
 
-def load_exported(export_dir: Path | str, device: str | None = None, verify: bool = True) -> Materialized:
+def _read_record(export_dir: Path) -> dict[str, Any]:
+    """opus-export.json, checked as what a stranger may have written: one line naming it when it is not an
+    Opus export, is damaged, or names a file outside the directory."""
+    path = export_dir / EXPORT_FILE
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"not a readable export record: {exc}", file=str(path)) from None
+    if not isinstance(record, dict) or record.get("format") != "opus-export":
+        raise InputError("not an Opus export", file=str(path))
+    state, source = record.get("state"), record.get("source")
+    if not isinstance(state, dict) or not isinstance(state.get("recipe", []), list) or not isinstance(source, dict):
+        raise InputError("damaged export record: no valid 'state' or 'source'", file=str(path))
+    for key in ("dtype", "device"):
+        if not isinstance(record.get(key), str):
+            raise InputError(f"damaged export record: no valid '{key}'", file=str(path))
+    try:
+        torch.device(record["device"])
+    except RuntimeError as exc:
+        raise InputError(f"device: {exc}", file=str(path)) from None
+    if not isinstance(record.get("model_files") or {}, dict):
+        raise InputError("damaged export record: 'model_files' is not a mapping", file=str(path))
+    config = (record.get("model_files") or {}).get("config")
+    for key, name in (("state.tensors", state.get("tensors")), ("model_files.config", config)):
+        if name is not None and (problem := member_problem(export_dir, name)):
+            raise InputError(f"{key}: {problem}", file=str(path))
+    return record
+
+
+def load_exported(export_dir: Path | str, device: str | None = None, verify: bool = True,
+                  trust_code: bool = False) -> Materialized:
     """Rebuild an exported model from the export directory alone: the model from its config.json, the
     recipe re-applied, every tensor from tensors.safetensors; the tokenizer from its tokenizer files.
 
     An export without a config.json of its own (a factory model; one written before exports held
     their config) loads its source instead: a path relative to the export directory (or absolute).
+    Code named in the record (a factory, a KV cache's provider module) runs only with ``trust_code``
+    (opus.trust); every file it names must be a regular file inside the directory.
     """
     from opus.models import load_model
 
     export_dir = Path(export_dir)
-    record = read_json(export_dir / EXPORT_FILE)
-    if record.get("format") != "opus-export":
-        raise InputError("not an Opus export", file=str(export_dir / EXPORT_FILE))
-    # Every file it wrote (config, tokenizer, tensors): an edited config.json would load another model.
-    if verify and (problem := first_mismatch(export_dir, record.get("files") or {}, EXPORT_FILE)):
-        raise InputError(f"the export is damaged ({problem})", file=str(export_dir))
-    device = device or record["device"]
-    config = (record.get("model_files") or {}).get("config")
-    if config and (export_dir / config).is_file():
-        model, tokenizer = _empty_model(export_dir, record["dtype"], device)
-    else:
-        # The source's path is relative to the export directory; a factory imports from base_dir.
-        base = resolve_from(record["base_dir"], export_dir) if "factory" in record["source"] else export_dir
-        loaded = load_model(record["source"], base, dtype=record["dtype"], device=device)
-        model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
-    return apply_state(model, tokenizer, record["state"], export_dir, device)
+    with loading(export_dir, trust_code):
+        record = _read_record(export_dir)
+        # Every file it wrote (config, tokenizer, tensors): an edited config.json would load another model.
+        if verify and (problem := first_mismatch(export_dir, record.get("files") or {}, EXPORT_FILE)):
+            raise InputError(f"the export is damaged ({problem})", file=str(export_dir))
+        device = device or record["device"]
+        config = (record.get("model_files") or {}).get("config")
+        if config and (export_dir / config).is_file():
+            model, tokenizer = _empty_model(export_dir, record["dtype"], device)
+        else:
+            # The source's path is relative to the export directory. A factory is refused without trust_code
+            # (opus.trust), and never imports from base_dir: a loaded directory is never on the import path.
+            loaded = load_model(record["source"], export_dir, dtype=record["dtype"], device=device)
+            model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+        return apply_state(model, tokenizer, record["state"], export_dir, device)

@@ -36,6 +36,7 @@ import torch
 
 from opus import moved
 from opus.recipe import register_transform
+from opus.trust import UntrustedCode
 
 DEFAULT_KIND = "growing"
 RECIPE_KIND = "kv_cache"
@@ -270,7 +271,7 @@ def registered_kinds() -> list[CacheKind]:
 def kind_of(kind: str, provider: str | None = None) -> CacheKind:
     """The registered kind ``kind``, importing ``provider`` (or its known provider) first if needed."""
     if kind not in _KINDS and (provider or kind in _PROVIDERS):
-        moved.import_module(provider or _PROVIDERS[kind])
+        moved.import_module(provider or _PROVIDERS[kind], f"the provider of the KV cache kind {kind!r}")
     if kind not in _KINDS:
         raise ValueError(f"unknown KV cache kind '{kind}' (known: {', '.join(known_kinds())})")
     return _KINDS[kind]
@@ -342,7 +343,7 @@ def describe_cache(config: dict[str, Any] | None) -> str:
     kind, provider, options = _split(config)
     try:
         return kind_of(kind, provider).describe(options)
-    except (ValueError, ImportError):  # a kind this process cannot load is still named
+    except (ValueError, ImportError, UntrustedCode):  # a kind this process cannot (or may not) load is still named
         return str(kind)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from opus.atomic import not_a_regular_file
 from opus.models.config import ModelConfig, ModelLoadError, config_from_hf
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -28,8 +29,8 @@ def read_config(model_dir: Path) -> tuple[dict[str, Any], ModelConfig]:
     path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
-    if not path.is_file():
-        raise ModelLoadError(f"missing file: {path}")
+    if problem := not_a_regular_file(path):
+        raise ModelLoadError(f"{'missing file' if problem == 'missing' else problem}: {path}")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -45,16 +46,20 @@ def weight_files(model_dir: Path) -> list[Path]:
             names = sorted({str(n) for n in json.loads(index.read_bytes())["weight_map"].values()})
         except (ValueError, KeyError, TypeError, AttributeError) as e:  # torn JSON, no weight_map
             raise ModelLoadError(f"{index}: not a shard index (a JSON object with a weight_map): {e}") from None
-        files = [model_dir / n for n in names]
-        for f in files:
-            if not f.is_file():
-                raise ModelLoadError(f"missing file: {f} (listed in {index.name})")
-        return files
+        return _readable([model_dir / n for n in names], f" (listed in {index.name})")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
             raise ModelLoadError(f"{model_dir}: only pickle weights (*.bin/*.pt) found; Opus reads safetensors only")
         raise ModelLoadError(f"missing file: {model_dir / 'model.safetensors'}")
+    return _readable(files, "")
+
+
+def _readable(files: list[Path], listed: str) -> list[Path]:
+    """``files``, each a regular file (a FIFO named model.safetensors would block the first read forever)."""
+    for f in files:
+        if problem := not_a_regular_file(f):
+            raise ModelLoadError(f"{'missing file' if problem == 'missing' else problem}: {f}{listed}")
     return files
 
 
@@ -106,8 +111,11 @@ def read_hf_tensors(model_dir: Path, cfg: ModelConfig) -> dict[str, torch.Tensor
 
 def load_hf_tokenizer(model_dir: Path) -> Any | None:
     """A ``PreTrainedTokenizerFast`` from tokenizer.json (offline), or None when there is none."""
-    if not (model_dir / "tokenizer.json").is_file():
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
         return None
+    if problem := not_a_regular_file(path):
+        raise ModelLoadError(f"{problem}: {path}")
     from transformers import PreTrainedTokenizerFast  # slow import: only when a tokenizer exists
 
     try:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opus import trust
 from opus.models import layout
 from opus.models.config import FAMILIES, ModelConfig, ModelLoadError, config_from_hf
 from opus.models.decoder import DecoderLM
@@ -113,8 +114,11 @@ def _import_factory(spec: str, base_dir: Path) -> Callable[..., Any]:
     mod_name, _, fn_name = spec.partition(":")
     if not mod_name or not fn_name:
         raise ModelLoadError(f"factory {spec!r} must look like 'package.module:function'")
-    # A user's model file beside the pipeline YAML should import without installing anything.
-    added = str(base_dir.resolve()) not in sys.path
+    # Named in a run or an export being loaded: called only with trust_code, and from installed code.
+    trust.check_call(spec, "the model source's factory")
+    # A user's model file beside the pipeline YAML should import without installing anything (their own
+    # pipeline only: a loaded directory is never put on the import path).
+    added = trust.current() is None and str(base_dir.resolve()) not in sys.path
     if added:
         sys.path.insert(0, str(base_dir.resolve()))
     try:

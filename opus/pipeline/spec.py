@@ -24,7 +24,8 @@ from opus.pipeline.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines,
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # allow_inf_nan=False: a bound of .nan compares false with everything, so a gate on it could never fail.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class ModelSpec(Strict):

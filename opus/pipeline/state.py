@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opus.atomic import read_json
+from opus.atomic import member_problem, read_json
+from opus.errors import InputError
 from opus.pipeline.spec import PipelineSpec
 from opus.recipe import apply_step
 
@@ -57,13 +58,11 @@ def materialize(checkpoint: Path | None, spec: PipelineSpec, base_dir: Path,
 def apply_state(model: Any, tokenizer: Any, state: dict[str, Any], tensors_dir: Path | None,
                 device: str) -> Materialized:
     """Re-apply a state's recipe to a freshly loaded base model, then load its tensors from ``tensors_dir``."""
-    from safetensors.torch import load_file
-
     marks = _marks(model)
     for step in state["recipe"]:
         model = apply_step(model, step)
     if state.get("tensors"):
-        tensors = load_file(str(tensors_dir / state["tensors"]), device=device)
+        tensors = _read_tensors(tensors_dir, state["tensors"], device)
         for alias, target in state.get("aliases", {}).items():
             tensors[alias] = tensors[target]
         for prefix, module in model.named_modules():
@@ -80,6 +79,20 @@ def apply_state(model: Any, tokenizer: Any, state: dict[str, Any], tensors_dir: 
         model.load_state_dict(tensors, strict=False)
     model.eval()
     return Materialized(model=model, tokenizer=tokenizer, state=state, base_marks=marks)
+
+
+def _read_tensors(directory: Path, name: Any, device: str) -> dict[str, Any]:
+    """The state's tensors file: a regular file inside ``directory``, and a complete safetensors file (a header
+    that claims more bytes than the file has is one line naming it, not a traceback)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if problem := member_problem(directory, name):
+        raise InputError(f"state.tensors: {problem}", file=str(directory))
+    try:
+        return load_file(str(directory / name), device=device)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(f"{name}: not a complete safetensors file ({exc})", file=str(directory)) from None
 
 
 def changed_tensors(model: Any, base_marks: dict[str, tuple[int, int]]) -> tuple[dict, dict[str, str]]:

@@ -131,7 +131,12 @@ def _decode(raw: bytes, file: str) -> str:
 
 def parse_yaml(text: str, file: str) -> tuple[Any, yaml.Node | None]:
     """Compose, check the limits, then construct: (data, the root node); errors are InputErrors."""
-    loader = _UniqueKeyLoader(text)
+    try:
+        # The reader checks every character as it is built: a control byte is an error here already.
+        loader = _UniqueKeyLoader(text)
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise InputError(f"not a YAML text: {str(exc).splitlines()[0]}", file=file, line=line) from None
     try:
         node = loader.get_single_node()
         if node is not None and (size := _expanded_size(node)) > MAX_NODES:

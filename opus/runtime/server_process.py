@@ -47,11 +47,16 @@ class Server:
     notes: list[str] = field(default_factory=list)
     count_path: str | None = None  # an endpoint that counts a text's tokens in the server's tokenizer
     model: str = ""  # the model id its /v1/models lists, filled in when ready
+    api_key: str | None = None  # sent as a bearer token when the server requires one
     process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing may download
@@ -61,7 +66,7 @@ class Server:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
         self._wait_ready(timeout_s)
-        models = json.loads(_get(self.url + "/v1/models", 10.0)[1] or b"{}").get("data") or []
+        models = json.loads(_get(self.url + "/v1/models", 10.0, self.headers)[1] or b"{}").get("data") or []
         if not models:
             raise ServerError(f"{self.name} server at {self.url} lists no model on /v1/models")
         self.model = str(models[0]["id"])
@@ -88,7 +93,8 @@ class Server:
         if self.count_path is None:
             return None
         data = json.dumps({"input": text, "model": self.model}).encode()
-        post = urllib.request.Request(self.url + self.count_path, data, {"Content-Type": "application/json"})
+        post = urllib.request.Request(self.url + self.count_path, data, {"Content-Type": "application/json",
+                                                                        **self.headers})
         with urllib.request.urlopen(post, timeout=30) as response:
             return int(json.loads(response.read())["count"])
 
@@ -122,9 +128,9 @@ class Server:
         self.stop()
 
 
-def _get(url: str, timeout_s: float) -> tuple[int | None, bytes | None]:
+def _get(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> tuple[int | None, bytes | None]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, None

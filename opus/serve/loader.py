@@ -59,12 +59,12 @@ def run_sizing(state: dict[str, Any]) -> dict[str, Any]:
     return dict(steps[-1].get("sizing") or {}) if steps else {}
 
 
-def load_served(path: Path, settings: ServeSettings, name: str | None = None) -> Served:
+def load_served(path: Path, settings: ServeSettings, name: str | None = None, trust_code: bool = False) -> Served:
     from opus.export.loading import eos_ids, load_made
     from opus.kv.cache import cache_config_from_recipe
     from opus.models.decoder import DecoderLM
 
-    loaded, origin = load_made(path)
+    loaded, origin = load_made(path, trust_code=trust_code)
     model = loaded.model
     if not isinstance(model, DecoderLM):
         raise InputError(f"{type(model).__name__} is not an Opus decoder; opus serve runs Opus's decoders only",

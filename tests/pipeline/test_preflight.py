@@ -219,6 +219,26 @@ def test_truncated_safetensors(project: Path, capsys: pytest.CaptureFixture) -> 
     assert "not a complete safetensors file" in check(capsys, project / "p.yaml")
 
 
+def test_weights_that_are_not_a_regular_file(project: Path, capsys: pytest.CaptureFixture) -> None:
+    """A FIFO named model.safetensors would block the first read until killed: refused before it is opened."""
+    import os
+
+    weights = project / "model" / "model.safetensors"
+    weights.unlink()
+    os.mkfifo(weights)
+    err = check(capsys, project / "p.yaml")
+    assert err.endswith(f"p.yaml:3: model.hf: not a regular file: a FIFO (named pipe): {weights}")
+
+
+def test_a_gate_bound_must_be_finite(project: Path, capsys: pytest.CaptureFixture) -> None:
+    """A bound of .nan compares false with everything: such a gate could never fail."""
+    for written, read in ((".nan", "nan"), ("-.inf", "-inf")):
+        path = edit(project / "p.yaml", "min: 0.9", f"min: {written}")
+        err = check(capsys, path)
+        assert err.endswith(f"p.yaml:14: stages[1].gate.agreement.min: Input should be a finite number (got {read})")
+        edit(path, f"min: {written}", "min: 0.9")
+
+
 def test_weights_beyond_the_machine_memory(project: Path, capsys: pytest.CaptureFixture,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
@@ -329,6 +349,7 @@ def test_run_refuses_before_writing_anything(project: Path, capsys: pytest.Captu
 @pytest.mark.parametrize(("content", "says"), [
     ('{"run_id": "r", "base_dir": "/tm', "damaged run file, cannot resume: Unterminated string"),
     ("[1, 2]", "damaged run file, cannot resume: a JSON object expected, got list"),
+    ("", "damaged run file, cannot resume: Expecting value"),
     ('{"run_id": "r", "starts": []}', "damaged run file, cannot resume: no valid 'base_dir'"),
     (b"\xff\xfe{}", "damaged run file, cannot resume: "),
 ])
@@ -341,6 +362,10 @@ def test_resume_with_a_damaged_run_json(project: Path, capsys: pytest.CaptureFix
     run_file.write_bytes(content if isinstance(content, bytes) else content.encode())
     err = check(capsys, run_dir, "--quiet", command="resume")
     assert err.startswith(f"error: {run_file}: {says}")
+    # A torn run.json is no finished run: `opus status` says the same as resume, and exits 2.
+    err = check(capsys, run_dir, command="status")
+    status_says = says.replace("cannot resume", "cannot tell the run's status")
+    assert err.startswith(f"error: {run_file}: {status_says}")
 
 
 @pytest.mark.parametrize("name", ["k3.yaml", "smoke.yaml"])

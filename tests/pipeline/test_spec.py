@@ -159,6 +159,16 @@ def test_non_utf8_pipeline_names_line_and_offset(tmp_path: Path, capsys: pytest.
     assert err.endswith(f"p.yaml:2: not UTF-8 text: byte 0xe9 at offset {len('name: t') + 17} (save the file as UTF-8)")
 
 
+def test_control_bytes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """YAML's reader refuses them while the loader is built, before any parse error could name a line."""
+    path = tmp_path / "p.yaml"
+    path.write_bytes(b"\x00\x01 not yaml at all")
+    assert _check_error(capsys, path).endswith("p.yaml:1: not a YAML text: unacceptable character #x0000: "
+                                               "special characters are not allowed")
+    path.write_bytes(GOOD.replace("name: t", "name: t\ndescription: a\x07bell").encode())
+    assert "p.yaml:2: not a YAML text: unacceptable character #x0007" in _check_error(capsys, path)
+
+
 def test_pipeline_larger_than_the_limit(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from opus.pipeline.yaml_lines import MAX_BYTES
 

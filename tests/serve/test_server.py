@@ -20,11 +20,19 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endf
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def _server(path: Path, log: Path, *flags: str) -> Server:
+# The module's server requires an API key, as a server more than one person reaches should.
+API_KEY = "sk-opus-test-" + "0123456789abcdef"
+
+
+def _server(path: Path, log: Path, *flags: str, api_key: str | None = None) -> Server:
     port = free_port()
     command = [sys.executable, "-m", "opus.cli.main", "serve", str(path), "--port", str(port), "--threads", "1",
-               *flags]
-    return Server("opus", command, port, "/health", log).start(timeout_s=180)
+               *flags, *(["--api-key", api_key] if api_key else [])]
+    return Server("opus", command, port, "/health", log, api_key=api_key).start(timeout_s=180)
+
+
+def _post(server: Server, path: str, body: bytes) -> urllib.request.Request:
+    return urllib.request.Request(server.url + path, body, {"Content-Type": "application/json", **server.headers})
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
@@ -38,7 +46,7 @@ def server(smoke_run, tmp_path_factory):
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text(TEMPLATE)
     srv = _server(smoke_run.run_dir, template.parent / "serve.log", "--eager", "--max-batch", "2", "--max-waiting",
-                  "4", "--chat-template", str(template))
+                  "4", "--chat-template", str(template), "--max-body-kb", "64", api_key=API_KEY)
     yield srv
     srv.stop()
 
@@ -51,11 +59,12 @@ def reference(smoke_run):
 
 
 def _client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "none", max_retries=0, timeout=120)
 
 
 def _metrics(server: Server) -> dict[str, float]:
-    with urllib.request.urlopen(server.url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(urllib.request.Request(server.url + "/metrics", headers=server.headers),
+                                timeout=10) as response:
         text = response.read().decode()
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(opus_[\w{}=\"]+) ([-\d.e+]+)$", text, re.M)}
 
@@ -82,7 +91,7 @@ def test_streaming_sends_the_same_text_in_chunks_and_ends_with_done(server, refe
     assert chunks[-1].usage.completion_tokens == 10
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     body = json.dumps({"prompt": "The cat", "max_tokens": 3, "stream": True}).encode()
-    raw = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+    raw = _post(server, "/v1/completions", body)
     with urllib.request.urlopen(raw, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         events = [line for line in response.read().decode().splitlines() if line]
@@ -138,18 +147,48 @@ def test_bad_requests_are_400_with_an_openai_error_body(server) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="hi")
     for body in (b"{not json", b'{"max_tokens": 3}', b'{"prompt": "hi", "temperature": "hot"}'):
-        request = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        request = _post(server, "/v1/completions", body)
         with pytest.raises(urllib.error.HTTPError) as error:
             urllib.request.urlopen(request, timeout=30)
         assert error.value.code == 400
         assert json.loads(error.value.read())["error"]["type"] == "invalid_request_error"
 
 
+def test_without_the_api_key_every_route_but_health_is_401(server) -> None:
+    for key in ("none", API_KEY[:-1]):
+        stranger = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError) as refused:
+            stranger.completions.create(model=server.model, prompt="hi", max_tokens=2)
+        assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+    for path in ("/metrics", "/v1/models"):
+        with pytest.raises(urllib.error.HTTPError) as error:
+            urllib.request.urlopen(server.url + path, timeout=10)  # no Authorization header at all
+        assert error.value.code == 401 and error.value.headers["WWW-Authenticate"] == "Bearer"
+        assert json.loads(error.value.read())["error"]["type"] == "invalid_request_error"
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as response:  # what a load balancer probes
+        assert response.status == 200
+
+
+def test_a_body_over_the_limit_or_without_a_length_is_refused(server) -> None:
+    # Small enough for the socket's buffers to take whole: the refusal comes before the body is read.
+    big = json.dumps({"prompt": "x" * 70_000, "max_tokens": 1}).encode()
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(_post(server, "/v1/completions", big), timeout=30)
+    assert error.value.code == 413 and "at most 65536" in json.loads(error.value.read())["error"]["message"]
+    chunked = _post(server, "/v1/completions", iter([b'{"prompt": "hi", "max_tokens": 1}']))
+    chunked.add_header("Transfer-Encoding", "chunked")  # an iterable body: urllib sends it without a length
+    with pytest.raises(urllib.error.HTTPError) as error:
+        urllib.request.urlopen(chunked, timeout=30)
+    assert error.value.code == 411
+
+
 def test_a_full_queue_is_429_with_retry_after(server) -> None:
     """Batch 2, queue 4: of eight long requests at once, some are refused; the rest finish."""
     def ask(_: int) -> int:
         body = json.dumps({"prompt": "Once", "max_tokens": 600, "ignore_eos": True, "temperature": 0}).encode()
-        request = urllib.request.Request(server.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        request = _post(server, "/v1/completions", body)
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
                 return response.status

@@ -77,7 +77,7 @@ def test_export_stage_end_to_end(tmp_path: Path) -> None:
     # Reloadable without the run directory.
     moved = shutil.copytree(export_dir, tmp_path / "shipped")
     shutil.rmtree(run_dir)
-    reloaded = load_exported(moved).model
+    reloaded = load_exported(moved, trust_code=True).model  # its factory: this test's own code
     ids = torch.randint(0, TINY["vocab_size"], (2, 9))
     with torch.no_grad():
         assert torch.equal(reloaded(ids), tiny_llama()(ids))
@@ -93,7 +93,7 @@ def test_moe_export_reloads_changed_weights(tmp_path: Path) -> None:
     record = json.loads((tmp_path / "export" / "opus-export.json").read_text())
     assert record["onnx"] == "onnx" and record["metrics"]["onnx_exported"] == 1
     assert set(record["info"]["targets"]) == {"native", "onnx"}  # hf and gguf switched off: not attempted
-    reloaded = load_exported(tmp_path / "export").model
+    reloaded = load_exported(tmp_path / "export", trust_code=True).model
     ids = torch.randint(0, TINY["vocab_size"], (1, 12))
     with torch.no_grad():
         assert torch.equal(reloaded(ids), model(ids))
@@ -108,7 +108,7 @@ def test_quantized_model_reloads_through_its_recipe(tmp_path: Path) -> None:
     step = quantize_model(model, {n: "w8a8" if i % 2 else "w8a16" for i, n in enumerate(linears)}, None)
     export_model(model, None, {"recipe": [step]}, tmp_path / "export",
                  _settings({"factory": "tests.stages.test_export:tiny_llama"}, hf=False, gguf=False, onnx=False))
-    reloaded = load_exported(tmp_path / "export").model  # the recipe rebuilds the quantized modules
+    reloaded = load_exported(tmp_path / "export", trust_code=True).model  # the recipe rebuilds the quantized modules
     assert type(reloaded.model.layers[0].self_attn.q_proj) is type(model.model.layers[0].self_attn.q_proj)
     ids = torch.randint(0, TINY["vocab_size"], (1, 10))
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_one_target_failing_loses_none_of_the_others(tmp_path: Path) -> None:
     assert "opus_test.no_onnx" in reason
     assert not (tmp_path / "export" / "onnx").exists()
     assert (tmp_path / "export" / "tensors.safetensors").is_file()  # the native export still happened
-    assert load_exported(tmp_path / "export").model is not None
+    assert load_exported(tmp_path / "export", trust_code=True).model is not None
 
 
 def test_non_language_model_is_reported_by_every_target(tmp_path: Path) -> None:
