@@ -11,6 +11,8 @@ goes on.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from opus.pipeline.context import StageContext, StageResult
@@ -20,6 +22,7 @@ ROLE = "export"  # how the run's verdict counts this stage (opus.pipeline.regist
 METRICS = frozenset({
     "export_tensors_mb",
     "hf_exported", "hf_file_mb", "hf_loads_in_transformers", "hf_max_abs_diff", "hf_next_token_agreement",
+    "hf_logits_cosine", "hf_compared_positions",
     "gguf_exported", "gguf_file_mb",
     "onnx_exported", "onnx_file_mb", "onnx_max_abs_diff", "onnx_next_token_agreement", "onnx_greedy_agreement",
     "onnx_ttft_ms", "onnx_throughput_tok_s"})
@@ -41,6 +44,24 @@ class Config(BaseModel):
     new_tokens: int = Field(4, gt=0, description="tokens the no-cache greedy loop generates for P")
     last_only: bool = Field(True, description="export next-token logits only, when the model supports it")
     threads: int | None = Field(None, gt=0, description="onnxruntime intra-op threads (default: run.threads)")
+    compare_blocks: int = Field(8, ge=0, description="held-out text blocks (data.evaluation) on which the HF "
+                                                     "export's logits are compared with Opus's, every position; "
+                                                     "0, or no evaluation data: the prompts")
+
+
+def _held_out(ctx: StageContext, tokenizer: Any, count: int) -> list[Any]:
+    """The first ``count`` blocks of the pipeline's evaluation text, one row each (none without it)."""
+    from opus.runtime.data import DataError, load_blocks
+
+    evaluation = ctx.spec.data.evaluation
+    if not count or evaluation is None or tokenizer is None:
+        return []
+    try:
+        blocks = load_blocks(evaluation, tokenizer, ctx.base_dir)
+    except DataError as exc:
+        ctx.log(f"the HF export is compared on the export prompts: {exc}")
+        return []
+    return [row.unsqueeze(0) for row in blocks[:count]]
 
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
@@ -57,7 +78,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         batch_size=cfg.batch_size or workload.batch_size, input_len=cfg.input_len or workload.input_len,
         new_tokens=cfg.new_tokens, warmup=workload.warmup, repeats=workload.repeats,
         threads=cfg.threads or thread_count(spec.run.threads), last_only=cfg.last_only,
-        progress=lambda what, done=0, total=None: ctx.progress(done, total, what), compiling=ctx.compiling)
+        progress=lambda what, done=0, total=None: ctx.progress(done, total, what), compiling=ctx.compiling,
+        held_out=_held_out(ctx, loaded.tokenizer, cfg.compare_blocks))
     metrics, info = export_model(loaded.model, loaded.tokenizer, loaded.state, final, settings)
     # Inside the checkpoint the directory is still temporary: record where it will be once committed.
     # No absolute path in a run file: a ``dir`` export is named relative to the run directory.

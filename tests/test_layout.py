@@ -10,8 +10,8 @@ from opus.pipeline.code_reach import imports_of
 # Lower first. A room may import its own modules and any room below it, never one above.
 # opus.gpu holds only the static path's linear layers (qlinear), which opus.fusion's fast decoder uses.
 # opus.api (opus.run, opus.load) is the top: it drives the command line's own run.
-ROOMS = ["opus.errors", "opus.atomic", "opus.trust", "opus.moved", "opus.recipe", "opus.cpp_build", "opus.compile_watch",
-         "opus.models", "opus.kv",
+ROOMS = ["opus.errors", "opus.atomic", "opus.trust", "opus.moved", "opus.recipe", "opus.cpp_build",
+         "opus.compile_watch", "opus.models", "opus.kv",
          "opus.runtime", "opus.cluster", "opus.quant", "opus.gpu", "opus.fusion", "opus.pipeline", "opus.export",
          "opus.report", "opus.bench", "opus.serve", "opus.cli", "opus.api"]
 SAME_LEVEL = {"opus.report": 0, "opus.bench": 0}  # neither imports the other

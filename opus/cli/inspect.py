@@ -45,7 +45,7 @@ def run_state(run_dir: Path) -> dict[str, Any]:
     events = EventLog(run_dir).read()
     if not (run_dir / "run.json").is_file():
         raise InputError("not a run directory (no run.json)", file=str(run_dir))
-    read_run_info(run_dir / "run.json", "cannot tell the run's status")  # a torn run.json is no finished run
+    read_run_info(run_dir / "run.json", "cannot tell the run's status", fields=False)  # a torn one is no finished run
     stages: dict[str, str] = {}
     for event in events:
         name = event["event"]

@@ -9,7 +9,13 @@ model.safetensors, in the source checkpoint's own tensor names (fused layers spl
 unstacked, SmoothQuant folded into the weights: ``opus.export.unfused``). The quantized tensors are
 made by compressed-tensors itself from each layer's weight and Opus's scales, so an int8 layer holds
 exactly the integers Opus runs. Then the directory is loaded in transformers and its logits compared
-with Opus's on the export prompts (``hf_max_abs_diff``, ``hf_next_token_agreement``).
+with Opus's model as ``opus.load`` runs it, at every position of the pipeline's held-out text
+(``hf_next_token_agreement``, ``hf_logits_cosine``, ``hf_max_abs_diff``; ``compare_in_transformers``).
+
+transformers 5.x keeps a MoE layer's experts fused (``model.layers.N.mlp.experts``, no module per
+expert) and dequantizes them while loading with one scheme for all of them: the experts' config group
+targets those fused modules, and experts planned in different formats (or left float in a quantized
+model) are all stored in one 8-bit scheme (``_experts_scheme``).
 
 Where the compressed-tensors representation differs from Opus's kernel, the layer is named in
 ``layers_not_as_planned`` with how it was stored:
@@ -21,6 +27,7 @@ Where the compressed-tensors representation differs from Opus's kernel, the laye
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import traceback
@@ -56,13 +63,42 @@ def _scheme_args(layer: Layer) -> dict[str, Any] | None:
     return args
 
 
+def _experts_scheme(planned: dict[str, tuple[Layer, dict[str, Any] | None]]) -> dict[str, Any] | None:
+    """The one scheme every MoE expert is stored in when the plan's experts differ (None: they do not).
+
+    transformers 5.x fuses a layer's experts into one tensor and dequantizes them while loading with a
+    single scheme for all of a model's experts (its ``get_experts_scheme``); an expert in another scheme
+    came out as garbage (measured: next-token agreement 0.002 with K3's experts in three formats) and a
+    float expert failed the load. So mixed experts are written in one 8-bit scheme, symmetric, per group
+    of the largest size that divides every expert's input features and planned group: exact for Opus's
+    int8 experts (each row's scale repeated per group), within 8-bit rounding for the others (each named
+    in ``layers_not_as_planned``)."""
+    experts = [(layer, args) for layer, args in planned.values() if EXPERT.search(layer.name)]
+    schemes = {repr(args) for _, args in experts}
+    # Float experts in an otherwise quantized model failed transformers' load too (its experts converter
+    # then takes a dense layer's scheme): they are stored in the 8-bit scheme as well.
+    quantized = any(args is not None for _, args in planned.values())
+    if not experts or (len(schemes) == 1 and (experts[0][1] is not None or not quantized)):
+        return None
+    group = 0
+    for layer, _ in experts:
+        group = math.gcd(group, layer.weight.shape[1], layer.group_size or 0)
+    return {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group", "group_size": group},
+            "input_activations": None, "format": "pack-quantized"}
+
+
 def _storage_note(layer: Layer, args: dict[str, Any], exact: bool) -> str | None:
     notes = []
     if not exact:
         w = args["weights"]
         notes.append(f"{layer.fmt} requantized by compressed-tensors from the dequantized weight "
                      f"({w['num_bits']}-bit, {w['strategy']}, symmetric={w['symmetric']})")
-    if FORMATS[layer.fmt].export.compressed_tensors["format"] != args["format"]:
+    planned = FORMATS[layer.fmt].export.compressed_tensors
+    if planned is None or planned["weights"] != args["weights"]:
+        w = args["weights"]
+        notes.append(f"{layer.fmt} expert stored in the experts' one scheme ({w['num_bits']}-bit, {w['strategy']} "
+                     f"{w.get('group_size') or ''}; transformers 5.x reads all of a model's experts in one scheme)")
+    elif planned["format"] != args["format"]:
         notes.append(f"{layer.fmt} expert written {args['format']} (transformers reads MoE experts only from "
                      "packed or FP8 tensors)")
     return "; ".join(notes) or None
@@ -84,12 +120,14 @@ def _compress(layer: Layer, args: dict[str, Any]) -> tuple[dict[str, torch.Tenso
     initialize_module_for_quantization(linear, scheme)
     weights = scheme.weights
     own_scale = getattr(layer.module, "scale", None)
-    exact = weights.strategy == "channel" and isinstance(own_scale, torch.Tensor)
+    exact = isinstance(own_scale, torch.Tensor) and (weights.strategy == "channel" or (
+        weights.strategy == "group" and layer.module.qweight.dtype == torch.int8 and weights.num_bits == 8))
     with torch.no_grad():
         if exact:
-            # Opus's own per-row scales: compression then recovers exactly the integers Opus runs.
+            # Opus's own per-row scales (repeated per group): compression recovers exactly the integers Opus runs.
             start, stop = layer.rows
-            linear.weight_scale.copy_(own_scale.detach().float().reshape(-1)[start:stop].reshape(-1, 1))
+            rows = own_scale.detach().float().reshape(-1)[start:stop].reshape(-1, 1)
+            linear.weight_scale.copy_(rows.expand(linear.weight_scale.shape))
         else:
             w = layer.weight
             if weights.strategy == "group":
@@ -104,15 +142,23 @@ def _compress(layer: Layer, args: dict[str, Any]) -> tuple[dict[str, torch.Tenso
 
 
 def _config_groups(stored: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """One config group per distinct scheme; experts are targeted by ``re:`` (how transformers finds them)."""
+    """One config group per distinct scheme. A dense layer is targeted by its name; the experts by the module
+    transformers 5.x has for them, each MoE layer's fused ``model.layers.N.mlp.experts`` (one ``re:`` target:
+    a per-expert name matches no module there, and the ``re:`` with "experts" is how it finds their scheme)."""
     from compressed_tensors.quantization import QuantizationScheme
 
     by_scheme: dict[str, list[str]] = defaultdict(list)
+    expert_layers: dict[str, set[str]] = defaultdict(set)
     schemes: dict[str, dict[str, Any]] = {}
     for name, args in stored.items():
         key = repr(sorted(args.items()))
         schemes[key] = args
-        by_scheme[key].append(f"re:^{re.escape(name)}$" if EXPERT.search(name) else name)
+        if EXPERT.search(name) and (layer := re.match(r"model\.layers\.(\d+)\.", name)):
+            expert_layers[key].add(layer.group(1))
+        else:
+            by_scheme[key].append(name)
+    for key, indices in expert_layers.items():
+        by_scheme[key].append(rf"re:^model\.layers\.({'|'.join(sorted(indices, key=int))})\.mlp\.experts$")
     return {f"group_{i}": QuantizationScheme(targets=sorted(by_scheme[key]), **schemes[key])
             for i, key in enumerate(sorted(by_scheme, key=lambda k: sorted(by_scheme[k])[0]))}
 
@@ -146,9 +192,12 @@ def write_hf(model: nn.Module, tokenizer: Any, config: dict[str, Any], source_di
     tensors: dict[str, torch.Tensor] = {}
     stored: dict[str, dict[str, Any]] = {}
     ignore, notes = [], {}
-    for layer in layers(model).values():
+    planned = {layer.name: (layer, _scheme_args(layer)) for layer in layers(model).values()}
+    experts_scheme = _experts_scheme(planned)
+    for layer, args in planned.values():
         disk = checkpoint_name(layer.name, family)
-        args = _scheme_args(layer)
+        if experts_scheme is not None and EXPERT.search(layer.name):
+            args = experts_scheme
         if args is None:
             own = getattr(layer.module, "weight", None)  # a cast layer (bf16, fp16) keeps its own dtype
             keep = own.dtype if isinstance(own, torch.Tensor) and own.is_floating_point() else dtype
@@ -191,27 +240,35 @@ def write_hf(model: nn.Module, tokenizer: Any, config: dict[str, Any], source_di
             "float_layers": len(ignore), "quantized_layers": len(stored), "notes": notes}
 
 
-def compare_in_transformers(model: nn.Module, out: Path, prompts: list[torch.Tensor]) -> dict[str, float]:
-    """Load the directory in transformers and compare next-token logits with Opus's on each prompt."""
+def compare_in_transformers(model: nn.Module, out: Path, texts: list[torch.Tensor]) -> dict[str, float]:
+    """Load the directory in transformers, as its users do, and compare its next-token logits at every position
+    of ``texts`` (the pipeline's held-out text, else the export prompts) with Opus's model as ``opus.load``
+    runs it: ``hf_next_token_agreement`` (share of positions with the same greedy token), ``hf_logits_cosine``
+    (mean over positions), ``hf_max_abs_diff``: what a user of transformers gets next to a user of Opus.
+
+    They differ where Opus computes otherwise than compressed-tensors can say: a W8A16 GEMM takes bf16
+    activations (transformers: float32), transformers dequantizes MoE experts and runs them on float
+    activations (Opus's W8A8 experts quantize theirs), compressed-tensors rounds W8A8 activations its own
+    way, and Opus's asymmetric 4-bit groups are stored symmetric (``layers_not_as_planned``).
+    """
     from loguru import logger
     from transformers import AutoModelForCausalLM
 
-    from opus.quant.formats.w8a8 import int8_activations_at_every_size
-
-    logger.disable("compressed_tensors")  # one "Could not match" line per MoE expert: transformers fuses them
+    logger.disable("compressed_tensors")  # its progress and notes are not the user's business here
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
 
     device = next(model.parameters()).device
-    max_diff, agree = 0.0, 0
-    # Opus's W8A8 layers run short inputs with bf16 activations; what the export describes (and
-    # compressed-tensors computes) quantizes activations to int8 at every size: compare with that.
-    with torch.no_grad(), int8_activations_at_every_size():
-        for ids in prompts:
-            ours = model(ids.to(device))[:, -1].float().cpu()
-            theirs = hf(ids).logits[:, -1].float()
+    max_diff, agree, positions, cosine = 0.0, 0, 0, 0.0
+    with torch.no_grad():
+        for ids in texts:
+            theirs = hf(ids).logits.float()
+            ours = model(ids.to(device)).float().cpu()
             max_diff = max(max_diff, float((ours - theirs).abs().max()))
-            agree += int(ours.argmax(-1).eq(theirs.argmax(-1)).all())
-    return {"hf_max_abs_diff": max_diff, "hf_next_token_agreement": agree / len(prompts)}
+            agree += int(ours.argmax(-1).eq(theirs.argmax(-1)).sum())
+            positions += ids.numel()
+            cosine += float(torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).sum())
+    return {"hf_max_abs_diff": max_diff, "hf_next_token_agreement": agree / positions,
+            "hf_logits_cosine": cosine / positions, "hf_compared_positions": float(positions)}
 
 
 def export_hf(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir: Path, settings: Any) -> TargetOutcome:
@@ -236,7 +293,8 @@ def export_hf(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir: 
     metrics: dict[str, float] = {"hf_file_mb": (out / WEIGHTS_FILE).stat().st_size / 2**20}
     try:
         settings.progress("loading the HF export in transformers")
-        metrics.update(compare_in_transformers(model, out, make_prompts(tokenizer, vocab_size(model), settings)))
+        texts = settings.held_out or make_prompts(tokenizer, vocab_size(model), settings)
+        metrics.update(compare_in_transformers(model, out, texts))
         metrics["hf_loads_in_transformers"] = 1
     except Exception as exc:  # noqa: BLE001 - written, but transformers cannot read it: say so
         metrics["hf_loads_in_transformers"] = 0

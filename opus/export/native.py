@@ -86,6 +86,8 @@ class ExportSettings:
     hf: bool = True  # Hugging Face directory with compressed-tensors (opus.export.hf)
     gguf: bool = True  # GGUF with the plan's per-tensor types (opus.export.gguf_mix)
     prompts: list[str] = field(default_factory=lambda: ["def main():\n", "import os\nimport sys\n"])
+    # Held-out text (token blocks, one row each) the HF export's logits are compared with Opus's on.
+    held_out: list[torch.Tensor] = field(default_factory=list)
     prompt_len: int = 16  # random prompts of this length when the model has no tokenizer
     greedy_tokens: int = 8
     batch_size: int = 1

@@ -61,9 +61,9 @@ def source_bytes(source: dict[str, Any], base_dir: Path) -> int:
     return sum(p.stat().st_size for p in files)
 
 
-def read_run_info(path: Path, cannot: str = "cannot resume") -> dict[str, Any]:
+def read_run_info(path: Path, cannot: str = "cannot resume", fields: bool = True) -> dict[str, Any]:
     """run.json, or a one-line InputError naming it when it is damaged (a torn write, an edit); ``cannot``
-    says what the caller cannot do then."""
+    says what the caller cannot do then. ``fields``: its base_dir and starts must be there too (resume)."""
     try:
         info = read_json(path)
     except (OSError, ValueError) as exc:  # ValueError: invalid JSON or not UTF-8
@@ -72,6 +72,8 @@ def read_run_info(path: Path, cannot: str = "cannot resume") -> dict[str, Any]:
         raise InputError(f"damaged run file, {cannot}: a JSON object expected, got {type(info).__name__}",
                          file=str(path))
     base_dir = info.get("base_dir")
+    if not fields:
+        return info
     if not isinstance(base_dir, str) or not base_dir or not isinstance(info.get("starts"), list):
         missing = "base_dir" if not isinstance(base_dir, str) or not base_dir else "starts"
         raise InputError(f"damaged run file, {cannot}: no valid '{missing}'", file=str(path))

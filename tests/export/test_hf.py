@@ -49,7 +49,10 @@ def test_k3_mixed_plan_fused_loads_in_transformers_with_the_same_next_tokens(tmp
     outcome = export_hf(model, tokenizer, {}, tmp_path, _settings({"hf": str(K3)}))
     assert outcome.exported and outcome.path == "hf", outcome.reason
     assert outcome.metrics["hf_loads_in_transformers"] == 1, outcome.info.get("transformers_error")
-    assert outcome.metrics["hf_next_token_agreement"] == 1.0
+    # Every position of the prompts, against Opus as it runs: its W8A16 GEMMs take bf16 activations, and the
+    # w4a16 experts' asymmetric groups are stored symmetric (below), so not every greedy token is the same.
+    assert outcome.metrics["hf_compared_positions"] == sum(len(tokenizer.encode(p)) for p in _settings({}).prompts)
+    assert outcome.metrics["hf_logits_cosine"] > 0.999 and outcome.metrics["hf_next_token_agreement"] >= 0.85
     out = tmp_path / "hf"
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is False  # the quantized lm_head no longer shares the embedding
@@ -57,12 +60,41 @@ def test_k3_mixed_plan_fused_loads_in_transformers_with_the_same_next_tokens(tmp
     assert q["quant_method"] == "compressed-tensors" and q["format"] == "mixed-precision"
     targets = {t for g in q["config_groups"].values() for t in g["targets"]}
     assert "model.layers.0.self_attn.q_proj" in targets and "lm_head" in targets
-    assert r"re:^model\.layers\.3\.block_sparse_moe\.experts\.7\.w2$" in targets
+    # The experts as transformers 5.x has them: one fused module per MoE layer (no "Could not match" per expert).
+    assert r"re:^model\.layers\.(0|1|2|3)\.mlp\.experts$" in targets
+    assert not any("block_sparse_moe.experts" in t for t in targets)
     assert q["ignore"] == [f"model.layers.{i}.block_sparse_moe.gate" for i in range(4)]  # the routers stay float
     assert (out / "tokenizer.json").is_file() and (out / "generation_config.json").is_file()
     # The w4a16 experts were requantized (symmetric groups); int8 layers hold Opus's integers.
     assert len(outcome.layers_not_as_planned) == 4 * 8 * 3
     assert all("requantized" in why for why in outcome.layers_not_as_planned.values())
+
+
+@pytest.mark.parametrize("experts", ["w8a8 and w8a16", "float"])
+@torch.no_grad()
+def test_experts_in_several_formats_or_float_load_right_in_transformers(tmp_path: Path, experts: str) -> None:
+    """transformers 5.x dequantizes all of a model's experts with one scheme: experts planned in two formats
+    came out as garbage (agreement 0.002 on this text), float experts in a quantized model failed the load.
+    They are stored in one 8-bit scheme, each named in layers_not_as_planned."""
+    model, tokenizer = load_model({"hf": str(K3)}, Path("."))
+    names = _linears(model)
+    if experts == "float":
+        plan = {n: "w8a16" for n in names if ".experts." not in n}
+    else:
+        plan = {n: ["w8a8", "w8a16"][i % 2] for i, n in enumerate(names)}
+    quantize_model(model, plan, None)
+    settings = _settings({"hf": str(K3)})
+    held_out = sorted((K3.parent / "data" / "heldout").glob("*.txt"))[:4]
+    settings.held_out = [torch.tensor([tokenizer.encode(f.read_text())[:128]]) for f in held_out]
+    outcome = export_hf(model, tokenizer, {}, tmp_path, settings)
+    assert outcome.metrics["hf_loads_in_transformers"] == 1, outcome.info.get("transformers_error")
+    assert outcome.metrics["hf_compared_positions"] == sum(ids.numel() for ids in settings.held_out) > 400
+    assert outcome.metrics["hf_next_token_agreement"] >= 0.97 and outcome.metrics["hf_logits_cosine"] > 0.999
+    groups = json.loads((tmp_path / "hf" / "config.json").read_text())["quantization_config"]["config_groups"]
+    expert_groups = [g for g in groups.values() if any("experts" in t for t in g["targets"])]
+    assert len(expert_groups) == 1 and expert_groups[0]["weights"]["strategy"] == "group"
+    notes = outcome.layers_not_as_planned
+    assert len(notes) == 4 * 8 * 3 and all("experts' one scheme" in why for why in notes.values())
 
 
 @torch.no_grad()
@@ -106,7 +138,8 @@ def test_a_source_without_config_json_gets_one_from_the_model_config(tmp_path: P
     quantize_model(model, {n: "w8a16" for n in _linears(model) if not n.endswith("shared_expert_gate")}, None)
     outcome = export_hf(model, None, {}, tmp_path, _settings(source))
     assert outcome.exported and outcome.metrics["hf_loads_in_transformers"] == 1, outcome.info
-    assert outcome.metrics["hf_next_token_agreement"] == 1.0
+    # Random weights, every prompt position: near-ties that W8A16's bf16 activations may flip.
+    assert outcome.metrics["hf_logits_cosine"] > 0.9999 and outcome.metrics["hf_next_token_agreement"] >= 0.95
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
 
 

