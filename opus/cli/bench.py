@@ -20,7 +20,7 @@ NOT_SERVE = {"only": "--only", "batch_size": "--batch", "warmup": "--warmup", "r
              "converter": "--converter"}
 
 CONTENDERS = ("fp32 (baseline), bf16, torch-int8, w8a16, w4a16, w8a8, w8a8-tensor, compile, hf, onnx-fp32, "
-              "onnx-int8, ov-fp32, ov-int8, llama-f16, llama-q8_0, llama-q4_0 (llama-gguf with --gguf), "
+              "onnx-int8, ov, ov-int8, ov-fp32, llama-f16, llama-q8_0, llama-q4_0 (llama-gguf with --gguf), "
               "llama-plan (the run's plan as GGUF), opus")
 
 

@@ -21,7 +21,7 @@ from opus.pipeline.spec import load_pipeline
 from tests.bench.project import kv_only_run, make_project
 
 EVERY = ["fp32", "bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "compile", "hf", "onnx-fp32",
-         "onnx-int8", "ov-fp32", "ov-int8", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan", "opus"]
+         "onnx-int8", "ov", "ov-int8", "ov-fp32", "llama-f16", "llama-q8_0", "llama-q4_0", "llama-plan", "opus"]
 SPEED = ("throughput_tok_s", "ttft_ms", "decode_tok_s", "peak_mem_mb", "perplexity")
 
 
@@ -58,7 +58,7 @@ def test_every_contender_gets_a_row(pipeline, tmp_path, monkeypatch, capsys) -> 
     assert report["budget"] == {"value": 0.05, "source": "stage 'check' gate perplexity.max_increase"}
     assert report["machine"]["cpu"] and "load_after" in report["machine"]  # what the figures were measured on
     for name in ("bf16", "torch-int8", "w8a16", "w4a16", "w8a8", "w8a8-tensor", "hf", "onnx-fp32", "onnx-int8",
-                 "ov-fp32", "ov-int8"):
+                 "ov", "ov-fp32", "ov-int8"):
         row = rows[name]
         assert row["status"] == "ok", (name, row["reason"])
         assert row["metrics"]["throughput_tok_s"] > 0 and row["metrics"]["perplexity"] > 0
