@@ -362,6 +362,8 @@ def test_resume_with_a_damaged_run_json(project: Path, capsys: pytest.CaptureFix
     run_file.write_bytes(content if isinstance(content, bytes) else content.encode())
     err = check(capsys, run_dir, "--quiet", command="resume")
     assert err.startswith(f"error: {run_file}: {says}")
+    if "no valid" in says:  # a JSON object: status needs none of resume's fields
+        return
     # A torn run.json is no finished run: `opus status` says the same as resume, and exits 2.
     err = check(capsys, run_dir, command="status")
     status_says = says.replace("cannot resume", "cannot tell the run's status")
