@@ -12,6 +12,12 @@ gates on ratios check, at the interval's conservative end. When both models woul
 memory available now (``side_by_side_mode: auto``), or when asked (``bracketed``), the candidate is
 let go and the models are timed one at a time — baseline, candidate, baseline — the two baseline runs
 bracketing the candidate's, with their drift reported (``opus.runtime.paired.measure_bracketed``).
+
+Long generation (``long_generation_tokens`` > 0): the candidate and the unmodified model each generate
+that many tokens greedily from the first workload prompts, through their own caches, and the unmodified
+model scores both texts by segment (``long_nll``, ``long_nll_base``, ``long_nll_increase_max``:
+opus.runtime.long_generation). A decode path that loses its way late shows there, where perplexity and
+teacher-forced agreement never look.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ from typing import Any, Literal
 from pydantic import Field
 
 from opus.pipeline.context import StageContext, StageResult
+from opus.runtime.long_generation import METRICS as LONG_METRICS
 from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, Measured, measure_incoming
 
 VERSION = "1"
 ROLE = "eval"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
-METRICS = SUITE_METRICS | FIDELITY_METRICS  # what a gate on this stage can name
+METRICS = SUITE_METRICS | FIDELITY_METRICS | LONG_METRICS  # what a gate on this stage can name
 
 
 class Config(MeasureConfig):
@@ -35,6 +42,30 @@ class Config(MeasureConfig):
     side_by_side_mode: Literal["auto", "interleaved", "bracketed"] = Field(
         "auto", description="interleaved: both models in memory, paired rounds; bracketed: one at a time, "
                             "baseline, candidate, baseline; auto: interleaved when both fit in memory")
+    long_generation_tokens: int = Field(0, ge=0, description="greedy tokens each side generates from the first "
+                                                             "workload prompts, scored by the unmodified model "
+                                                             "(0: off; needs a baseline stage upstream)")
+    long_generation_prompts: int = Field(4, ge=1, description="prompts of the long generation")
+    long_generation_segment: int = Field(64, ge=1, description="tokens per scored segment of the long generation")
+
+
+def _long_generation(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
+    from opus.kv.cache import cache_factory
+    from opus.pipeline.state import load_base
+    from opus.runtime.long_generation import score_long_generation
+
+    base_model, _ = load_base(ctx.spec, ctx.base_dir)
+    prompts = measured.inputs.prompts[: cfg.long_generation_prompts]
+    metrics, info = score_long_generation(
+        measured.loaded.model, measured.factory, base_model, cache_factory(base_model), prompts,
+        cfg.long_generation_tokens, cfg.long_generation_segment,
+        on_step=lambda _: measured.progress.advance(1, "long generation"))
+    measured.info["long_generation"] = info
+    worst = max(info["segments"], key=lambda s: s["nll"] - s["nll_base"])
+    ctx.log(f"long generation: {cfg.long_generation_tokens} tokens × {prompts.shape[0]} prompts, NLL under the "
+            f"unmodified model {metrics['long_nll']:.3f} (its own text {metrics['long_nll_base']:.3f}); worst "
+            f"segment {worst['tokens'][0]}-{worst['tokens'][1]}: +{worst['nll'] - worst['nll_base']:.3f}")
+    return metrics
 
 
 def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
@@ -123,11 +154,17 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     extra = fidelity_units(reference.tokens.shape[1]) if reference is not None else 0
     side_by_side = cfg.side_by_side and baseline is not None
     extra += paired_units(["throughput_tok_s", "ttft_ms"], cfg.side_by_side_rounds) if side_by_side else 0
+    long_generation = cfg.long_generation_tokens > 0 and baseline is not None
+    if cfg.long_generation_tokens > 0 and baseline is None:
+        ctx.log("no baseline stage upstream: long generation skipped")
+    extra += 2 * cfg.long_generation_tokens if long_generation else 0
     measured = measure_incoming(ctx, cfg, extra_units=extra)
     if reference is not None and baseline is not None:
         measured.metrics.update(compare_to_reference(measured.loaded.model, reference, measured.factory,
                                                      measured.progress))
         measured.info["fidelity_reference"] = str(baseline.artifact(REFERENCE))
+    if long_generation:  # before side by side, which may let the candidate go (bracketed)
+        measured.metrics.update(_long_generation(ctx, cfg, measured))
     if side_by_side:
         measured.metrics.update(_side_by_side(ctx, cfg, measured))
     return StageResult(metrics=measured.metrics, info=measured.info)

@@ -104,8 +104,13 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     for key in ("throughput_tok_s", "ttft_ms"):
         side = got[paired_key(key)]
         assert side["n"] >= 5 and side["low"] <= side["ratio"] <= side["high"] and side["baseline"] > 0
-    alone = eval_stage.run(ctx, eval_stage.Config(side_by_side=False)).metrics
-    assert paired_key("throughput_tok_s") not in alone
+    alone = eval_stage.run(ctx, eval_stage.Config(side_by_side=False, long_generation_tokens=12,
+                                                  long_generation_segment=5))
+    assert paired_key("throughput_tok_s") not in alone.metrics
+    # The same model generates the same long text: the unmodified model scores both alike, segment by segment.
+    assert alone.metrics["long_nll"] == alone.metrics["long_nll_base"] > 0
+    assert alone.metrics["long_nll_increase_max"] == 0.0 and not undeclared_metrics(eval_stage, alone.metrics)
+    assert [s["tokens"] for s in alone.info["long_generation"]["segments"]] == [[0, 5], [5, 10], [10, 12]]
     # When both would not fit: baseline, candidate, baseline, one at a time, with the drift reported.
     bracketed = eval_stage.run(ctx, eval_stage.Config(side_by_side_mode="bracketed")).metrics
     for key in ("throughput_tok_s", "ttft_ms"):
