@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opus.errors import EXIT_DEGRADED, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED
+from opus.errors import EXIT_DEGRADED, EXIT_INTERRUPTED, EXIT_OK, EXIT_RUN_FAILED, InputError
 
 STATUS_EXIT = {"finished": EXIT_OK, "degraded": EXIT_DEGRADED, "failed": EXIT_RUN_FAILED,
                "interrupted": EXIT_INTERRUPTED}
@@ -32,7 +32,10 @@ def add_parsers(sub: Any) -> None:
                              help="commit the run's small files to git when it ends (as run.track: git)")
     verify = sub.add_parser("verify", help="check every checkpoint and the lineage; say what a resume would redo")
     verify.add_argument("run_dir", type=Path)
-    sub.add_parser("stages", help="list the installed stage types")
+    stages = sub.add_parser("stages", help="list the installed stage types; with a name, that stage's options")
+    stages.add_argument("name", nargs="?", help="a stage type: print its options (type, default, description)")
+    stages.add_argument("--markdown", action="store_true",
+                        help="every stage's options as Markdown (what docs/stages.md holds)")
     check = sub.add_parser("check", help="validate a pipeline without running it")
     check.add_argument("pipeline", type=Path)
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -159,9 +162,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_stages(_: argparse.Namespace) -> int:
-    from opus.pipeline.registry import known_stage_types, load_stage_type
+def cmd_stages(args: argparse.Namespace) -> int:
+    from opus.cli.stage_docs import reference_markdown, stage_markdown
+    from opus.pipeline.registry import UnknownStageType, known_stage_types, load_stage_type
 
+    if args.markdown:
+        print(reference_markdown(), end="")
+        return EXIT_OK
+    if args.name:
+        try:
+            print(stage_markdown(args.name), end="")
+        except UnknownStageType as exc:
+            raise InputError(str(exc)) from None
+        return EXIT_OK
     for name, target in sorted(known_stage_types().items()):
         doc = (load_stage_type(name).module.__doc__ or "").strip().splitlines()
         print(f"{name:<12} {target:<24} {doc[0] if doc else ''}")
