@@ -1,4 +1,4 @@
-"""The rooms of ``opus`` and which way imports run (README, Layout): a module never imports a room above its own."""
+"""The rooms of ``opus`` and which way imports run (docs/layout.md): a module never imports a room above its own."""
 
 from __future__ import annotations
 
