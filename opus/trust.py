@@ -14,7 +14,7 @@ A pipeline file is the user's own: its ``uses:`` and ``factory:`` run as written
 
 from __future__ import annotations
 
-import importlib.machinery
+import importlib.util
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -90,7 +90,8 @@ def _outside(module_name: str, what: str, state: Loading) -> None:
     top = module_name.split(".")[0]
     if top in sys.modules:
         return
-    spec = importlib.machinery.PathFinder.find_spec(top, sys.path)  # finds without executing anything
+    # A top-level name is found without executing anything, through every finder (an editable install's too).
+    spec = importlib.util.find_spec(top)
     if spec is None:
         raise UntrustedCode(f"{what}: no installed module {top!r} (a loaded directory is never put on the import "
                             "path)", file=str(state.root))

@@ -87,18 +87,18 @@ def _experts_scheme(planned: dict[str, tuple[Layer, dict[str, Any] | None]]) -> 
             "input_activations": None, "format": "pack-quantized"}
 
 
-def _storage_note(layer: Layer, args: dict[str, Any], exact: bool) -> str | None:
+def _storage_note(layer: Layer, args: dict[str, Any], exact: bool, unified: bool) -> str | None:
     notes = []
     if not exact:
         w = args["weights"]
         notes.append(f"{layer.fmt} requantized by compressed-tensors from the dequantized weight "
                      f"({w['num_bits']}-bit, {w['strategy']}, symmetric={w['symmetric']})")
     planned = FORMATS[layer.fmt].export.compressed_tensors
-    if planned is None or planned["weights"] != args["weights"]:
+    if unified:
         w = args["weights"]
         notes.append(f"{layer.fmt} expert stored in the experts' one scheme ({w['num_bits']}-bit, {w['strategy']} "
                      f"{w.get('group_size') or ''}; transformers 5.x reads all of a model's experts in one scheme)")
-    elif planned["format"] != args["format"]:
+    elif planned is not None and planned["format"] != args["format"]:
         notes.append(f"{layer.fmt} expert written {args['format']} (transformers reads MoE experts only from "
                      "packed or FP8 tensors)")
     return "; ".join(notes) or None
@@ -196,7 +196,8 @@ def write_hf(model: nn.Module, tokenizer: Any, config: dict[str, Any], source_di
     experts_scheme = _experts_scheme(planned)
     for layer, args in planned.values():
         disk = checkpoint_name(layer.name, family)
-        if experts_scheme is not None and EXPERT.search(layer.name):
+        unified = experts_scheme is not None and EXPERT.search(layer.name) is not None
+        if unified:
             args = experts_scheme
         if args is None:
             own = getattr(layer.module, "weight", None)  # a cast layer (bf16, fp16) keeps its own dtype
@@ -210,7 +211,7 @@ def write_hf(model: nn.Module, tokenizer: Any, config: dict[str, Any], source_di
         for name, t in serialized.items():
             tensors[f"{disk}.{name}"] = t
         stored[disk] = args
-        if note := _storage_note(layer, args, exact):
+        if note := _storage_note(layer, args, exact, unified):
             notes[disk] = note
     for name, t in other_tensors(model).items():
         tensors[checkpoint_name(name, family)] = t.to(dtype) if t.is_floating_point() else t

@@ -7,8 +7,10 @@ so one dataclass plus one decoder file replaces five near-copies of the same mod
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
+from opus.atomic import not_a_regular_file
 from opus.errors import EXIT_INVALID, OpusError
 from opus.models import layout
 
@@ -17,6 +19,12 @@ class ModelLoadError(OpusError):
     """A model could not be built or loaded; the message is one line and names the culprit."""
 
     exit_code = EXIT_INVALID
+
+
+def require_regular_file(path: Path, listed: str = "") -> None:
+    """A ModelLoadError unless ``path`` is a regular file (a FIFO would block the first read forever)."""
+    if problem := not_a_regular_file(path):
+        raise ModelLoadError(f"{'missing file' if problem == 'missing' else problem}: {path}{listed}")
 
 
 # config.json's hidden_act / hidden_activation -> ModelConfig.hidden_act.

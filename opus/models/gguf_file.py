@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from opus.atomic import not_a_regular_file
 from opus.models import layout
-from opus.models.config import ModelConfig, ModelLoadError
+from opus.models.config import ModelConfig, ModelLoadError, require_regular_file
 from opus.models.gguf_names import BLOCK as _BLOCK  # llama.cpp's names: one table with the GGUF writer
 from opus.models.gguf_names import EXPERT_STACKS as _EXPS
 from opus.models.gguf_names import PER_EXPERT as _PER_EXPERT
@@ -169,8 +168,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
     """(config, tensors named for the decoder, tokenizer) from a GGUF file; no tokenizer is an error."""
     import gguf
 
-    if problem := not_a_regular_file(path):
-        raise ModelLoadError(f"{'missing file' if problem == 'missing' else problem}: {path}")
+    require_regular_file(path)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises bare ValueErrors on foreign files

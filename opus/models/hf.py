@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from opus.atomic import not_a_regular_file
-from opus.models.config import ModelConfig, ModelLoadError, config_from_hf
+from opus.models.config import ModelConfig, ModelLoadError, config_from_hf, require_regular_file
 
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -29,8 +28,7 @@ def read_config(model_dir: Path) -> tuple[dict[str, Any], ModelConfig]:
     path = model_dir / "config.json"
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory not found: {model_dir}")
-    if problem := not_a_regular_file(path):
-        raise ModelLoadError(f"{'missing file' if problem == 'missing' else problem}: {path}")
+    require_regular_file(path)
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -58,8 +56,7 @@ def weight_files(model_dir: Path) -> list[Path]:
 def _readable(files: list[Path], listed: str) -> list[Path]:
     """``files``, each a regular file (a FIFO named model.safetensors would block the first read forever)."""
     for f in files:
-        if problem := not_a_regular_file(f):
-            raise ModelLoadError(f"{'missing file' if problem == 'missing' else problem}: {f}{listed}")
+        require_regular_file(f, listed)
     return files
 
 
@@ -114,8 +111,7 @@ def load_hf_tokenizer(model_dir: Path) -> Any | None:
     path = model_dir / "tokenizer.json"
     if not path.exists():
         return None
-    if problem := not_a_regular_file(path):
-        raise ModelLoadError(f"{problem}: {path}")
+    require_regular_file(path)
     from transformers import PreTrainedTokenizerFast  # slow import: only when a tokenizer exists
 
     try:
