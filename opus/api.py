@@ -110,7 +110,7 @@ class LoadedModel:
         return ids
 
     def eos_ids(self) -> set[int]:
-        from opus.export.loading import eos_ids
+        from opus.runtime.engine import eos_ids
 
         return set(eos_ids(self.tokenizer, self.model))
 
@@ -150,7 +150,7 @@ def load(path: str | Path, device: str | None = None, eager: bool = False, trust
     Not a directory of either kind, a run with nothing kept yet, or code it names without ``trust_code``:
     ``InputError``.
     """
-    from opus.export.loading import load_made
+    from opus.made import load_made
 
     loaded, origin = load_made(Path(path), device, trust_code)
     return LoadedModel(loaded.model, loaded.tokenizer, loaded.state, origin, eager)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import stat
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,27 @@ def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
     if size > max_bytes:
         raise ValueError(f"{size} bytes, more than the {max_bytes} a record may have")
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def new_temp_dir(final_dir: Path) -> Path:
+    """A fresh directory beside ``final_dir`` to fill before ``replace_dir`` puts it in place."""
+    tmp = final_dir.parent / f".tmp-{final_dir.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Atomically put a completed directory in place; a stale one there is replaced."""
+    old = None
+    if final_dir.exists():
+        old = final_dir.parent / f".old-{final_dir.name}-{uuid.uuid4().hex[:6]}"
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def relative_path(path: Path | str, start: Path | str) -> str:
+    """``path`` relative to the directory ``start`` (with ``..`` where needed), POSIX separators."""
+    return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()

@@ -18,6 +18,12 @@ that many tokens greedily from the first workload prompts, through their own cac
 model scores both texts by segment (``long_nll``, ``long_nll_base``, ``long_nll_increase_max``:
 opus.runtime.long_generation). A decode path that loses its way late shows there, where perplexity and
 teacher-forced agreement never look.
+
+Tasks (``tasks``: lm-evaluation-harness task names, or task files relative to the pipeline file, e.g. the
+ones ``opus tasks`` writes): each task runs on the candidate and on the unmodified model over the same
+``task_limit`` samples (opus.harness): ``task/<task>/<metric>``, ``..._base`` and ``..._drop`` with its 95 %
+interval; a gate ``task_accuracy: {max_drop: 0.01}`` holds them, passing, failing or saying the sample
+count cannot tell (opus.pipeline.gates).
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from stages import FIDELITY_METRICS, REFERENCE, SUITE_METRICS, MeasureConfig, Me
 
 VERSION = "1"
 ROLE = "eval"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
-METRICS = SUITE_METRICS | FIDELITY_METRICS | LONG_METRICS  # what a gate on this stage can name
+# What a gate on this stage can name: task metrics are task/<task>/<metric>, task_accuracy all of them.
+METRICS = SUITE_METRICS | FIDELITY_METRICS | LONG_METRICS | {"task/*", "task_accuracy"}
 
 
 class Config(MeasureConfig):
@@ -47,6 +54,70 @@ class Config(MeasureConfig):
                                                              "(0: off; needs a baseline stage upstream)")
     long_generation_prompts: int = Field(4, ge=1, description="prompts of the long generation")
     long_generation_segment: int = Field(64, ge=1, description="tokens per scored segment of the long generation")
+    tasks: list[str] = Field(default_factory=list, description="lm-evaluation-harness tasks run on this model and "
+                                                               "on the unmodified one: the harness's task names "
+                                                               "(from cached datasets) or task files (.yaml, "
+                                                               "relative to the pipeline file); needs a baseline "
+                                                               "stage upstream and the [lmeval] extra")
+    task_limit: int | None = Field(100, ge=1, description="samples per task (the same ones on both models); "
+                                                          "null: every sample")
+    task_batch_size: int = Field(8, ge=1, description="requests scored in one forward pass")
+
+
+def preflight(cfg: Config, spec: Any, base_dir: Any = None) -> list[tuple[tuple[str, ...], str]]:
+    """Tasks need the harness installed and their task files readable, before anything runs."""
+    if not cfg.tasks:
+        return []
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        return [(("tasks",), "tasks run through lm-evaluation-harness: pip install 'opus[lmeval]'")]
+    from pathlib import Path
+
+    from opus.errors import InputError
+    from opus.harness.tasks import task_entry
+
+    problems = []
+    for index, entry in enumerate(cfg.tasks):
+        try:
+            task_entry(entry, Path(base_dir or "."))
+        except InputError as error:
+            problems.append((("tasks", str(index)), str(error)))
+    return problems
+
+
+def _tasks(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
+    """Each task on the candidate, then on the unmodified model, over the same samples."""
+    from opus.harness.compare import compare_scores, run_tasks, task_manager
+    from opus.harness.lm import OpusLM
+    from opus.harness.tasks import task_entry
+    from opus.kv.cache import cache_factory
+    from opus.pipeline.state import load_base
+
+    entries = [task_entry(t, ctx.base_dir) for t in cfg.tasks]
+    manager = task_manager(entries)
+    loaded = measured.loaded
+    base_model, tokenizer = load_base(ctx.spec, ctx.base_dir)
+    scores: dict[str, dict[str, dict[str, list[float]]]] = {"candidate": {}, "unmodified": {}}
+    sides = {"candidate": OpusLM.of(loaded.model, loaded.tokenizer, measured.factory, cfg.task_batch_size),
+             "unmodified": OpusLM.of(base_model, tokenizer or loaded.tokenizer, cache_factory(base_model),
+                                     cfg.task_batch_size)}
+    for entry, name in zip(entries, cfg.tasks):
+        for side, lm in sides.items():  # task by task: the progress names each, and beats per forward batch
+            what = f"task {entry['task'] if isinstance(entry, dict) else name} ({side})"
+            lm.heartbeat = lambda what=what: measured.progress.advance(0, what)
+            scores[side].update(run_tasks(lm, [entry], cfg.task_limit, manager=manager))
+            measured.progress.advance(1, what)
+    metrics = compare_scores(scores["unmodified"], scores["candidate"])
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and not key.endswith("_base"):
+            base_value = metrics.get(f"{key}_base")
+            drop = metrics.get(f"{key}_drop")
+            span = (f", drop {drop['drop']:+.3f} [{drop['low']:+.3f}, {drop['high']:+.3f}] over {drop['n']} samples"
+                    if drop else "")
+            ctx.log(f"{key}: {value:.3f} (unmodified {base_value:.3f}{span})" if base_value is not None
+                    else f"{key}: {value:.3f}")
+    return metrics
 
 
 def _long_generation(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
@@ -158,6 +229,10 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     if cfg.long_generation_tokens > 0 and baseline is None:
         ctx.log("no baseline stage upstream: long generation skipped")
     extra += 2 * cfg.long_generation_tokens if long_generation else 0
+    tasks = bool(cfg.tasks) and baseline is not None
+    if cfg.tasks and baseline is None:
+        ctx.log("no baseline stage upstream: tasks skipped")
+    extra += 2 * len(cfg.tasks) if tasks else 0
     measured = measure_incoming(ctx, cfg, extra_units=extra)
     if reference is not None and baseline is not None:
         measured.metrics.update(compare_to_reference(measured.loaded.model, reference, measured.factory,
@@ -165,6 +240,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
         measured.info["fidelity_reference"] = str(baseline.artifact(REFERENCE))
     if long_generation:  # before side by side, which may let the candidate go (bracketed)
         measured.metrics.update(_long_generation(ctx, cfg, measured))
+    if tasks:
+        measured.metrics.update(_tasks(ctx, cfg, measured))
     if side_by_side:
         measured.metrics.update(_side_by_side(ctx, cfg, measured))
     return StageResult(metrics=measured.metrics, info=measured.info)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import opus
+from opus.atomic import relative_path
 from opus.errors import InputError
-from opus.pipeline.run_files import relative_path
 from tests.helpers import run_cli, statuses
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from opus.pipeline.code_reach import imports_of
 ROOMS = ["opus.errors", "opus.atomic", "opus.trust", "opus.moved", "opus.recipe", "opus.cpp_build",
          "opus.compile_watch", "opus.models", "opus.kv",
          "opus.runtime", "opus.cluster", "opus.quant", "opus.gpu", "opus.fusion", "opus.pipeline", "opus.export",
-         "opus.report", "opus.bench", "opus.serve", "opus.cli", "opus.api"]
+         "opus.made", "opus.harness", "opus.report", "opus.bench", "opus.serve", "opus.cli", "opus.api"]
 SAME_LEVEL = {"opus.report": 0, "opus.bench": 0}  # neither imports the other
 
 
@@ -48,3 +48,28 @@ def test_opus_never_imports_the_stage_types() -> None:
     found = [f"{m.name} -> {i}" for m in pkgutil.walk_packages(opus.__path__, "opus.")
              for i in imports_of(m.name) if i == "stages" or i.startswith("stages.")]
     assert found == []
+
+
+def test_an_export_takes_a_model_and_its_recipe_never_a_run_directory() -> None:
+    """Reading run directories and checkpoints is the run engine's and opus.made's (above both), not an export's."""
+    found = [f"{m.name} -> {i}" for m in pkgutil.walk_packages(opus.__path__, "opus.")
+             if m.name.startswith("opus.export") for i in imports_of(m.name)
+             if i in ("opus.pipeline.run_files", "opus.pipeline.checkpoint", "opus.pipeline.runner")]
+    assert found == []
+
+
+def test_the_runtime_reads_text_sets_without_the_run_engine() -> None:
+    """The pipeline file's text-set spec lives below both (opus.runtime.text_set)."""
+    found = [f"{m.name} -> {i}" for m in pkgutil.walk_packages(opus.__path__, "opus.")
+             if m.name.startswith("opus.runtime") for i in imports_of(m.name) if i.startswith("opus.pipeline")]
+    assert found == []
+
+
+def test_the_yaml_error_line_is_written_once() -> None:
+    """pydantic's complaint becomes `file:line: key: message` in one place (LoadedPipeline.invalid)."""
+    import inspect
+
+    from opus.pipeline import graph, spec
+
+    sources = inspect.getsource(graph) + inspect.getsource(spec)
+    assert sources.count('"extra_forbidden"') == 1

@@ -36,3 +36,17 @@ def test_the_pipeline_reads_what_prepare_writes() -> None:
     assert spec["model"]["gguf"] == f"../.cache/smollm2/{prepare.GGUF}"
     assert "../.cache/smollm2/chat/heldout/*.txt" in spec["data"]["evaluation"]["files"]
     assert "../.cache/smollm2/chat/calib/*.txt" in spec["data"]["calibration"]["files"]
+
+
+def test_the_harness_tasks_the_pipeline_runs_are_written_from_held_out_text(tmp_path: Path) -> None:
+    prepare = _prepare()
+    prepare.write_text(tmp_path)
+    written = prepare.write_chat_tasks(tmp_path)
+    spec = yaml.safe_load((REPO / "pipelines" / "smollm2.yaml").read_text())
+    tasks = next(s for s in spec["stages"] if s["id"] == "eval")["with"]["tasks"]
+    for task in tasks:
+        if task.startswith("../.cache/smollm2/tasks/"):
+            assert tmp_path / "tasks" / Path(task).name in written
+    held_out = "".join(p.read_text() for p in (tmp_path / "chat" / "heldout").glob("*.txt"))
+    first = yaml.safe_load((tmp_path / "tasks" / "chat_next_line.jsonl").read_text().splitlines()[0])
+    assert first["context"] in held_out  # held-out text only: the calibration never saw it

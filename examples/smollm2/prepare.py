@@ -67,14 +67,23 @@ def write_text(cache: Path) -> tuple[int, int]:
     return counts[0], counts[1]
 
 
+def write_chat_tasks(cache: Path) -> list:
+    """The harness tasks the pipeline's eval runs, from the held-out conversations (opus.harness.tasks)."""
+    from opus.harness.tasks import write_tasks
+
+    return write_tasks(sorted((cache / "chat" / "heldout").glob("*.txt")), cache / "tasks", "chat", samples=200)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path(__file__).resolve().parents[2] / ".cache" / "smollm2")
     args = parser.parse_args()
     model = fetch_model(args.dir)
     held_out, calib = write_text(args.dir)
+    tasks = write_chat_tasks(args.dir)
     print(f"{model} ({model.stat().st_size / 2**20:.0f} MB); {held_out} held-out and {calib} calibration "
-          f"conversations in {args.dir / 'chat'}")
+          f"conversations in {args.dir / 'chat'}; harness tasks {', '.join(p.stem for p in tasks)} in "
+          f"{args.dir / 'tasks'}")
     return 0
 
 

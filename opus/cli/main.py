@@ -16,9 +16,9 @@ from opus.errors import EXIT_INTERRUPTED, EXIT_OK, OpusError
 def _groups() -> list[ModuleType]:
     """The command groups, each with ``add_parsers(sub)`` and ``COMMANDS`` (imported lazily: torch and the
     bench contenders load only for the commands that need them)."""
-    from opus.cli import bench, doctor, history, inspect, run, serve
+    from opus.cli import bench, doctor, harness, history, inspect, run, serve
 
-    return [run, inspect, doctor, history, bench, serve]
+    return [run, inspect, doctor, history, bench, serve, harness]
 
 
 def _parser(groups: list[ModuleType]) -> argparse.ArgumentParser:
@@ -31,7 +31,11 @@ def _parser(groups: list[ModuleType]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     groups = _groups()
-    args = _parser(groups).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every argument is the harness's own: argparse would claim its options
+        args = argparse.Namespace(command="lm-eval", harness_args=argv[1:])
+    else:
+        args = _parser(groups).parse_args(argv)
     # SIGTERM (a scheduler, a shutdown) stops as cleanly as Ctrl-C does.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     commands = {name: fn for group in groups for name, fn in group.COMMANDS.items()}

@@ -128,7 +128,7 @@ def decisions_override(pipeline: Path, decisions_from: Path | None) -> list[str]
     a relative --set path is read), so pipeline.yaml keeps no absolute path; quoted as a YAML string."""
     import json
 
-    from opus.pipeline.run_files import relative_path
+    from opus.atomic import relative_path
 
     if decisions_from is None:
         return []

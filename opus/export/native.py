@@ -31,12 +31,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from opus.atomic import first_mismatch, member_problem, read_json, sha256_file, write_json, write_text
+from opus.atomic import (
+    first_mismatch,
+    member_problem,
+    new_temp_dir,
+    read_json,
+    relative_path,
+    sha256_file,
+    write_json,
+    write_text,
+)
+from opus.atomic import replace_dir as swap_in
 from opus.errors import InputError
 from opus.export.targets import TargetOutcome
-from opus.pipeline.checkpoint import commit as swap_in
-from opus.pipeline.checkpoint import new_temp_dir
-from opus.pipeline.run_files import relative_path
 from opus.pipeline.state import Materialized, apply_state, changed_tensors
 from opus.trust import loading
 

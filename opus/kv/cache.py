@@ -155,6 +155,14 @@ class GrowingKVCache(CacheBase):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
 
+    def repeated(self, rows: int) -> GrowingKVCache:
+        """A copy whose ``rows`` rows each hold this one-row cache: several continuations of one prefix."""
+        copy = GrowingKVCache(self.num_layers)
+        for layer in self._k:
+            copy._k[layer] = self._k[layer].expand(rows, -1, -1, -1).contiguous()
+            copy._v[layer] = self._v[layer].expand(rows, -1, -1, -1).contiguous()
+        return copy
+
 
 # -- the registry of kinds ---------------------------------------------------------------------------
 CacheBuilder = Callable[[dict[str, Any], CacheShape], KVCache]

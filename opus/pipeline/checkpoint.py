@@ -45,12 +45,6 @@ def check_free_disk(where: Path, needed_bytes: int, reserve_mb: int) -> None:
             f"{wanted / 2**20:.0f} MiB needed (checkpoint + run.min_free_disk_mb reserve)")
 
 
-def new_temp_dir(final_dir: Path) -> Path:
-    tmp = final_dir.parent / f".tmp-{final_dir.name}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    return tmp
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)  # checkpoints are immutable once committed, so sharing the inode is safe
@@ -146,18 +140,6 @@ def move_aside(path: Path, into: Path, suffix: str = "") -> Path:
     os.replace(path, target)
     fsync_dir(path.parent)
     return target
-
-
-def commit(tmp_dir: Path, final_dir: Path) -> None:
-    """Atomically put a completed checkpoint in place; a stale one there is replaced."""
-    old = None
-    if final_dir.exists():
-        old = final_dir.parent / f".old-{final_dir.name}-{uuid.uuid4().hex[:6]}"
-        os.replace(final_dir, old)
-    os.replace(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def drop_tensors(path: Path) -> None:

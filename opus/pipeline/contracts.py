@@ -123,13 +123,14 @@ class GateCheck(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     metric: str
-    bound: str  # min | max | min_ratio | max_ratio | max_increase | max_decrease | finite
+    bound: str  # min | max | min_ratio | max_ratio | max_increase | max_decrease | max_drop | finite
     threshold: float | None
     measured: Any = None
     baseline: float | None = None  # relative bounds only
     passed: bool
     compared: float | None = None  # the quantity compared with the threshold (value, ratio or change)
-    interval: tuple[float, float] | None = None  # a side-by-side ratio's [low, high] (opus.runtime.paired)
+    interval: tuple[float, float] | None = None  # a side-by-side ratio's or a drop's [low, high]
+    inconclusive: bool = False  # passed only as the interval cannot tell (max_drop): the summary warns
     reason: str | None = None
 
 

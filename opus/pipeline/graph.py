@@ -53,14 +53,7 @@ def resolve_stage_types(loaded: LoadedPipeline) -> dict[str, tuple[StageType, Ba
         try:
             cfg = stage_type.config_class.model_validate(stage.with_)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ("stages", index, "with", *first["loc"])
-            message = first["msg"]
-            if first["type"] == "extra_forbidden":
-                message = f"unknown key '{first['loc'][-1]}' for stage type '{stage.uses}'"
-            elif "input" in first and not isinstance(first["input"], (dict, list)):
-                message += f" (got {first['input']!r})"
-            raise loaded.error(message, loc) from None
+            raise loaded.invalid(exc, ("stages", index, "with"), f"stage type '{stage.uses}'") from None
         resolved[stage.id] = (stage_type, cfg)
     return resolved
 

@@ -108,7 +108,7 @@ def check_gates(loaded: LoadedPipeline, types: dict[str, tuple[StageType, BaseMo
 def check_stage_configs(loaded: LoadedPipeline, types: dict[str, tuple[StageType, BaseModel]]) -> None:
     for index, stage in enumerate(loaded.spec.stages):
         stage_type, cfg = types[stage.id]
-        for key, message in stage_type.preflight(cfg, loaded.spec):
+        for key, message in stage_type.preflight(cfg, loaded.spec, loaded.base_dir):
             raise loaded.error(message, ("stages", index, "with", *key))
 
 

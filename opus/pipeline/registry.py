@@ -8,6 +8,7 @@ one) and ``remedy(cfg, failure)`` that proposes a new config after a failed gate
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
@@ -67,11 +68,15 @@ class StageType:
         fn = getattr(self.module, "remedy", None)
         return fn(cfg, failure) if fn else None
 
-    def preflight(self, cfg: BaseModel, spec: Any) -> list[tuple[tuple[str, ...], str]]:
-        """The stage type's own checks of its config against the pipeline (``spec``) before anything runs:
-        ``(key path under the stage's with:, message)`` per problem. Optional: ``preflight(cfg, spec)``."""
+    def preflight(self, cfg: BaseModel, spec: Any, base_dir: Any = None) -> list[tuple[tuple[str, ...], str]]:
+        """The stage type's own checks of its config against the pipeline (``spec``; its paths are relative
+        to ``base_dir``) before anything runs: ``(key path under the stage's with:, message)`` per problem.
+        Optional: ``preflight(cfg, spec)`` or ``preflight(cfg, spec, base_dir)``."""
         fn = getattr(self.module, "preflight", None)
-        return list(fn(cfg, spec)) if fn else []
+        if fn is None:
+            return []
+        takes_dir = "base_dir" in inspect.signature(fn).parameters
+        return list(fn(cfg, spec, base_dir) if takes_dir else fn(cfg, spec))
 
     @property
     def has_remedy(self) -> bool:

@@ -1,14 +1,13 @@
 """The files of a run directory that more than one module reads: their names, reading run.json and the
 pipeline a run was run with, finding a stage's published artifact, the run's final checkpoint and its exports.
 
-Paths written into a run's files are relative (``relative_path``): to the run directory in run.json
+Paths written into a run's files are relative (``opus.atomic.relative_path``): to the run directory in run.json
 (``pipeline``, ``base_dir``) and summary.json (each stage's ``dir``), so a run directory moved, copied or
 checked out from git elsewhere reads the same. Absolute paths written by earlier versions still read.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,6 @@ RUN_FILE = "run.json"  # the run's identity, base_dir and starts
 PIPELINE_FILE = "pipeline.yaml"  # the pipeline as run (with --set overrides applied)
 EXPORT_RECORD = "opus-export.json"  # what marks an export directory (opus.export.native.EXPORT_FILE)
 KEPT = ("done", "cached")  # stage statuses whose checkpoint holds the stage's own output
-
-
-def relative_path(path: Path | str, start: Path | str) -> str:
-    """``path`` relative to the directory ``start`` (with ``..`` where needed), POSIX separators."""
-    return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
 
 
 def resolve_from(path: Path | str, start: Path | str) -> Path:

@@ -18,20 +18,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opus.atomic import write_json, write_yaml
+from opus.atomic import new_temp_dir, relative_path, write_json, write_yaml
+from opus.atomic import replace_dir as commit
 from opus.errors import RunFailed
 from opus.pipeline.checkpoint import (
     DiskSpaceError,
     check_free_disk,
     clean_temporaries,
-    commit,
     content_digest,
     drop_tensors,
     estimate_checkpoint_bytes,
     find_checkpoint,
     is_disk_full,
     move_aside,
-    new_temp_dir,
     read_manifest,
     read_manifest_key,
     write_checkpoint,
@@ -48,7 +47,6 @@ from opus.pipeline.run_files import (
     RUN_FILE,
     SUMMARY_FILE,
     read_run_info,
-    relative_path,
     source_bytes,
 )
 from opus.pipeline.spec import LoadedPipeline

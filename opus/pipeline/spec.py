@@ -21,6 +21,7 @@ from pydantic import (
 from opus.cluster.settings import ExecutorSettings
 from opus.errors import InputError
 from opus.pipeline.yaml_lines import Loc, dotted, line_of, load_yaml_with_lines, parse_yaml
+from opus.runtime.text_set import TextSetSpec
 
 
 class Strict(BaseModel):
@@ -51,27 +52,6 @@ class ModelSpec(Strict):
         if self.factory:
             return {"factory": self.factory, "args": dict(self.args)}
         return {"hf": self._hf_dir or self.hf} if self.hf else {"gguf": self.gguf}
-
-
-class TextSetSpec(Strict):
-    """Text declared once for any model: files/globs or a dataset (opus.runtime.data reads both)."""
-
-    files: list[str] | None = None
-    # A save_to_disk directory, a directory of data files (or one file), or a hub dataset id in the local cache.
-    dataset: str | None = None
-    split: str | None = None  # the split of a DatasetDict (needed when it holds more than one)
-    text_column: str = "text"
-    samples: int = Field(32, gt=0)
-    seq_len: int = Field(256, gt=1)
-    seed: int = 0
-
-    @model_validator(mode="after")
-    def _one_kind(self) -> TextSetSpec:
-        if (self.files is None) == (self.dataset is None):
-            raise ValueError("give exactly one of files or dataset")
-        if self.split is not None and self.dataset is None:
-            raise ValueError("split names a split of a dataset; it needs dataset, not files")
-        return self
 
 
 class DataSpec(Strict):
@@ -119,6 +99,7 @@ class Threshold(Strict):
     max_ratio: float | None = None
     max_increase: float | None = None
     max_decrease: float | None = None
+    max_drop: float | None = None  # an accuracy's fall from the baseline's on the same samples (opus.pipeline.gates)
 
     @model_validator(mode="after")
     def _some_bound(self) -> Threshold:
@@ -174,6 +155,19 @@ class LoadedPipeline:
             if loc[: len(override)] == override or override[: len(loc)] == loc:
                 return InputError(message, file="--set", key=dotted(loc))
         return InputError(message, file=str(self.path), line=line_of(self.lines, loc), key=dotted(loc))
+
+    def invalid(self, exc: ValidationError, under: Loc = (), owner: str | None = None) -> InputError:
+        """pydantic's first complaint as one line naming the file, line and key (``under``: where the
+        validated mapping sits in the file; ``owner``: whose keys, for an unknown one)."""
+        first = exc.errors()[0]
+        # Union members' names ("function-after[...]") are pydantic's, not keys of the file.
+        loc = (*under, *(p for p in first["loc"] if not (isinstance(p, str) and "[" in p)))
+        message = first["msg"]
+        if first["type"] == "extra_forbidden":
+            message = f"unknown key '{loc[-1]}'" + (f" for {owner}" if owner else "")
+        elif "input" in first and not isinstance(first["input"], (dict, list)):
+            message += f" (got {first['input']!r})"
+        return self.error(message, loc)
 
     def stage_loc(self, stage_id: str) -> Loc:
         return ("stages", next(i for i, s in enumerate(self.spec.stages) if s.id == stage_id))
@@ -279,14 +273,7 @@ def load_pipeline(path: Path | str, overrides: list[str] | None = None,
     try:
         loaded.spec = PipelineSpec.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and "[" in p))
-        message = first["msg"]
-        if first["type"] == "extra_forbidden":
-            message = f"unknown key '{loc[-1]}'"
-        elif "input" in first and not isinstance(first["input"], (dict, list)):
-            message += f" (got {first['input']!r})"
-        raise loaded.error(message, loc) from None
+        raise loaded.invalid(exc) from None
     _resolve_hub_id(loaded, required=check_paths)
     if check_paths:
         _check_paths(loaded)

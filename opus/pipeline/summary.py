@@ -18,11 +18,19 @@ def _pick(metrics: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return picked
 
 
+def _inconclusive(records: list[dict[str, Any]]) -> list[str]:
+    """A gate check a kept stage passed only because its interval could not tell (opus.pipeline.gates)."""
+    return [f"{r['id']}: {c['reason']}" for r in records if r["status"] in ("done", "cached")
+            for c in (r.get("gate") or {}).get("checks", []) if c.get("inconclusive")]
+
+
 def build_summary(run_id: str, status: str, records: list[dict[str, Any]], rollbacks: list[dict[str, Any]],
                   error: str | None = None, reasons: list[str] | None = None) -> dict[str, Any]:
     baseline = next((r["metrics"] for r in records if r.get("baseline") and r["status"] in ("done", "cached")), {})
     chosen = final_record(records) if status in ("finished", "degraded") else None
     final = _pick(chosen["metrics"], MEASURES + FINAL_EXTRA) if chosen else {}
+    final.update({k: v for k, v in (chosen or {}).get("metrics", {}).items()
+                  if k.startswith("task/") and isinstance(v, (int, float))})
     ratios, intervals = {}, {}
     for key in MEASURES:
         new, old = final.get(key), baseline.get(key)
@@ -37,7 +45,8 @@ def build_summary(run_id: str, status: str, records: list[dict[str, Any]], rollb
         "run_id": run_id,
         "reasons": reasons or [],
         "warnings": (slowdown_warnings(baseline, final, intervals) if chosen else []) + [
-            f"{r['id']}: {w}" for r in records if r["status"] in ("done", "cached") for w in r.get("warnings") or []],
+            f"{r['id']}: {w}" for r in records if r["status"] in ("done", "cached") for w in r.get("warnings") or []]
+            + _inconclusive(records),
         "error": error,
         "baseline": _pick(baseline, MEASURES + ("top1_accuracy",)),
         "final": final,

@@ -1,6 +1,6 @@
 """Calibration and evaluation text: declared once in the pipeline, tokenized by each model's tokenizer.
 
-A text set (``opus.pipeline.spec.TextSetSpec``) is either files/globs relative to the pipeline's directory
+A text set (``opus.runtime.text_set.TextSetSpec``) is either files/globs relative to the pipeline's directory
 (each file one document; ``.jsonl`` files one JSON object per line, text in ``text_column``) or a
 ``dataset:``, one of (of several splits, the one named by ``split``; the text in ``text_column``):
 
@@ -32,14 +32,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from opus.errors import OpusError
-
-if TYPE_CHECKING:  # a type only: the runtime does not depend on the run engine
-    from opus.pipeline.spec import TextSetSpec
+from opus.runtime.text_set import TextSetSpec
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 

@@ -82,6 +82,15 @@ def supports_cache(model: nn.Module) -> bool:
     return all(name in params for name in ("cache", "start_pos", "last_only"))
 
 
+def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    """The end-of-sequence ids the tokenizer and the model's config name (either may be a list)."""
+    found: set[int] = set()
+    config = getattr(model, "config", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        found.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
+    return frozenset(found)
+
+
 def logits_of(output: Any) -> torch.Tensor:
     """Logits from a model output: a tensor, or an object with ``.logits`` (Hugging Face models)."""
     if isinstance(output, torch.Tensor):
@@ -119,11 +128,14 @@ def select_next(logits: torch.Tensor, sampling: Sampling | None,
 
 def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
              cache_factory: CacheFactory | None = None, sampling: Sampling | None = None,
-             return_logits: bool = False, on_step: Callable[[int], None] | None = None) -> GenerationResult:
+             return_logits: bool = False, on_step: Callable[[int], None] | None = None,
+             done: Callable[[torch.Tensor], bool] | None = None) -> GenerationResult:
     """Generate ``max_new_tokens`` for each row of ``prompt_ids`` ([B, T], equal lengths).
 
     ``cache_factory`` builds a fresh cache per call (default: the growing cache); ``sampling``
     None is greedy; ``on_step(i)`` is called after each new token (a heartbeat for long runs).
+    ``done(tokens)``, given the new tokens so far ([B, i + 1]), ends generation early when it returns
+    True (every row reached a stop sequence): ``tokens`` then has fewer than ``max_new_tokens`` columns.
     """
     if prompt_ids.dim() != 2 or prompt_ids.shape[1] == 0:
         raise ValueError(f"prompt_ids must be [batch, length>0], got shape {tuple(prompt_ids.shape)}")
@@ -153,7 +165,11 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
             kept.append(logits.float())
         if on_step:
             on_step(0)
+        made = max_new_tokens
         for i in range(1, max_new_tokens):
+            if done is not None and done(tokens[:, :i]):
+                made = i
+                break
             out = model(tokens[:, i - 1 : i], cache=cache, start_pos=prompt_len + i - 1, last_only=True)
             logits = logits_of(out)[:, -1]
             tokens[:, i] = select_next(logits, sampling, generator)
@@ -163,6 +179,7 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
                 on_step(i)
         sync(device)
         end = time.perf_counter()
+    tokens = tokens[:, :made]
     return GenerationResult(tokens=tokens, prompt_len=prompt_len, ttft_s=first - start, decode_s=end - first,
                             total_s=end - start, logits=torch.stack(kept, dim=1) if return_logits else None)
 

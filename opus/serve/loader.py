@@ -60,9 +60,10 @@ def run_sizing(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_served(path: Path, settings: ServeSettings, name: str | None = None, trust_code: bool = False) -> Served:
-    from opus.export.loading import eos_ids, load_made
     from opus.kv.cache import cache_config_from_recipe
+    from opus.made import load_made
     from opus.models.decoder import DecoderLM
+    from opus.runtime.engine import eos_ids
 
     loaded, origin = load_made(path, trust_code=trust_code)
     model = loaded.model

@@ -120,6 +120,38 @@ def test_baseline_then_eval_in_process(project, tmp_path) -> None:
     assert bracketed["agreement"] == 1.0  # fidelity was measured before the candidate was let go
 
 
+def test_eval_runs_harness_tasks_on_both_models_over_the_same_samples(project, tmp_path) -> None:
+    """A task file beside the pipeline, by path: the candidate (here the same model) and the unmodified one."""
+    import yaml
+
+    from opus.pipeline.registry import load_stage_type
+
+    docs = [{"context": " ".join(WORDS[i : i + 6]), "choices": [f" {WORDS[i + 6]}", " w0", " w1"], "label": 0}
+            for i in range(2, 40)]
+    (project / "tasks").mkdir(exist_ok=True)
+    (project / "tasks" / "words.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (project / "tasks" / "words.yaml").write_text(yaml.safe_dump({
+        "task": "words", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "words.jsonl"}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "context",
+        "doc_to_choice": "choices", "doc_to_target": "label", "target_delimiter": "",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    ctx, _ = context(project, tmp_path / "baseline", "baseline")
+    base = baseline.run(ctx, baseline.Config(fidelity_prompts=2, fidelity_prompt_len=8, fidelity_tokens=4))
+    up = UpstreamView(id="baseline", uses="baseline", key="k", status="done", metrics=base.metrics,
+                      dir=tmp_path / "baseline", baseline=True)
+    ctx, logs = context(project, tmp_path / "check", "check", upstream={"baseline": up})
+    cfg = eval_stage.Config(side_by_side=False, throughput=False, decode_batch1=False, tasks=["tasks/words.yaml"],
+                            task_limit=30)
+    got = eval_stage.run(ctx, cfg).metrics
+    assert 0 <= got["task/words/acc"] <= 1 and got["task/words/acc"] == got["task/words/acc_base"]
+    drop = got["task/words/acc_drop"]
+    assert drop["n"] == 30 and drop["drop"] == 0 and drop["worse"] == drop["better"] == 0 and drop["high"] > 0
+    assert not undeclared_metrics(eval_stage, got) and any(line.startswith("task/words/acc:") for line in logs)
+    # Before anything runs, a task file that is not there names its key.
+    problems = load_stage_type("eval").preflight(eval_stage.Config(tasks=["tasks/nope.yaml"]), None, project)
+    assert problems and problems[0][0] == ("tasks", "0") and "no such task file" in problems[0][1]
+
+
 def test_eval_without_a_baseline_skips_fidelity(project, tmp_path) -> None:
     ctx, logs = context(project, tmp_path / "check", "check")
     got = eval_stage.run(ctx, eval_stage.Config(throughput=False, decode_batch1=False)).metrics

@@ -1,9 +1,12 @@
-"""What a run or an export directory holds, as a model: the one loader behind ``opus.load`` and ``opus serve``."""
+"""What a run made, as a model: the one loader behind ``opus.load``, ``opus serve`` and ``opus lm-eval``.
+
+Above both the run engine (a run directory, a stage's checkpoint) and the exports (an export directory):
+an export takes a model and its recipe and never reads a run directory itself.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from opus.errors import InputError
 from opus.export.native import EXPORT_FILE, load_exported
@@ -42,12 +45,3 @@ def _load_made(path: Path, device: str | None, trust_code: bool) -> tuple[Materi
         raise InputError("the run has no kept stage yet: nothing to load", file=str(path))
     run_pipeline = load_run(path)
     return materialize(intact(checkpoint), run_pipeline.spec, run_pipeline.base_dir, device), checkpoint
-
-
-def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
-    """The end-of-sequence ids the tokenizer and the model's config name (either may be a list)."""
-    found: set[int] = set()
-    config = getattr(model, "config", None)
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
-        found.update(v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int))
-    return frozenset(found)
