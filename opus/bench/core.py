@@ -78,6 +78,8 @@ class BenchContext:
     threads: int
     vocab_size: int
     fp32_mb: float = 0.0  # the fp32 model's parameters and buffers: what the memory plan scales
+    bandwidth_gb_s: float = 0.0  # the machine's copy bandwidth, measured before any contender (opus.bench.bandwidth)
+    read_fraction: float = 1.0  # the share of the model's bytes a decoded token reads
     group_size: int = 64
     gguf: Path | None = None  # the user's own GGUF file (--gguf)
     converter: Path | None = None  # llama.cpp's convert_hf_to_gguf.py (--converter)

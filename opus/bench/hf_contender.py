@@ -72,8 +72,20 @@ def model_dir(ctx: BenchContext) -> Path:
     return path if path.is_absolute() else ctx.base_dir / path
 
 
+def _load_args(ctx: BenchContext) -> tuple[Path, dict[str, Any], str]:
+    """What ``from_pretrained`` takes for the pipeline's model: its HF directory, or a GGUF file as
+    transformers' users load one (``gguf_file=``: dequantized to float by transformers itself)."""
+    if "gguf" in ctx.source:
+        file = Path(ctx.source["gguf"]).expanduser()
+        file = file if file.is_absolute() else ctx.base_dir / file
+        if not file.is_file():
+            raise Unavailable(f"no GGUF file {file} for transformers to load")
+        return file.parent, {"gguf_file": file.name}, f"from the GGUF {file.name} (gguf_file=, dequantized)"
+    return model_dir(ctx), {}, ""
+
+
 def hf(ctx: BenchContext) -> Built:
-    path = model_dir(ctx)
+    path, extra, origin = _load_args(ctx)
     if importlib.util.find_spec("transformers") is None:
         raise Unavailable("transformers is not installed")
     import transformers
@@ -83,13 +95,14 @@ def hf(ctx: BenchContext) -> Built:
     hf_logging.disable_progress_bar()  # the bench's own display owns the terminal
     try:
         # local_files_only: the bench never reaches a model hub, whatever HF_HUB_OFFLINE says.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
     except (ValueError, KeyError, OSError) as exc:  # e.g. an architecture this transformers does not know
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise Unavailable(f"transformers {transformers.__version__} cannot load {path}: {first}") from None
     model = model.to(ctx.device).eval()
     attention = getattr(model.config, "_attn_implementation", None) or "default"
-    notes = [f"transformers {transformers.__version__} {type(model).__name__}, float32, {attention} attention, "
+    notes = [f"transformers {transformers.__version__} {type(model).__name__}{' ' + origin if origin else ''}, "
+             f"float32, {attention} attention, "
              "its DynamicCache; stepped by the engine's greedy loop like every row (generate()'s logits "
              "processors and stopping checks are not timed)"]
     lm = HfLM(model)

@@ -232,14 +232,16 @@ def _converted(outtype: str) -> Any:
     return build
 
 
-def quantize_file(source: Path, out: Path, ftype: str, threads: int) -> None:
-    """``source`` (an F16 GGUF) quantized uniformly by llama.cpp's own quantizer (``llama_model_quantize``,
-    what ``llama-quantize`` runs), written beside ``out`` and renamed into place."""
+def quantize_file(source: Path, out: Path, ftype: str, threads: int, requantize: bool = False) -> None:
+    """``source`` (an F16 GGUF; with ``requantize``, a quantized one, as ``llama-quantize
+    --allow-requantize`` takes it) quantized by llama.cpp's own quantizer (``llama_model_quantize``, what
+    ``llama-quantize`` runs; ``q4_k_m`` is its mix), written beside ``out`` and renamed into place."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
     params.nthread = threads
+    params.allow_requantize = requantize
     partial = out.with_name(out.name + ".partial")
     rc = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
     if rc != 0 or not partial.is_file():
@@ -265,12 +267,38 @@ def _quantized(ftype: str) -> Any:
 
 def user_gguf(ctx: BenchContext) -> Built:
     _require_llama()
+    path = _user_file(ctx)
+    return _load(ctx, path, [f"GGUF given: {path}"])
+
+
+def _user_file(ctx: BenchContext) -> Path:
     path = ctx.gguf
     if path is None and "gguf" in ctx.source:
         path = Path(ctx.source["gguf"]) if Path(ctx.source["gguf"]).is_absolute() else ctx.base_dir / ctx.source["gguf"]
     if path is None or not path.is_file():
         raise Unavailable(f"no GGUF file: {path}")
-    return _load(ctx, path, [f"GGUF given: {path}"])
+    return path
+
+
+def _requantized(ftype: str) -> Any:
+    """The user's GGUF quantized to ``ftype`` by llama.cpp's quantizer, as its users would make a Q8_0 or
+    a Q4_K_M from the file they have: the same source (the file, dequantized) Opus and every row start from."""
+    def build(ctx: BenchContext) -> Built:
+        from opus.pipeline.fingerprint import fingerprint_source
+
+        _require_llama()
+        source = _user_file(ctx)
+        out = ctx.cache_dir / "gguf" / f"{fingerprint_source(ctx.source, ctx.base_dir)[:16]}-{ftype}.gguf"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.is_file():
+            notes = [f"GGUF {ftype}: {out} (quantized earlier by llama.cpp from {source.name})"]
+        else:
+            quantize_file(source, out, ftype, ctx.threads or 1, requantize=True)
+            notes = [f"GGUF {ftype}: quantized by llama.cpp's llama_model_quantize from {source.name} "
+                     f"(--allow-requantize): {out}"]
+        return _load(ctx, out, notes)
+
+    return build
 
 
 def plan_gguf(checkpoint: Path, spec: Any, base_dir: Path, source: dict[str, Any], tokenizer: Any,
@@ -312,11 +340,16 @@ PLANNED = Contender("llama-plan", "llama.cpp on the run's plan as GGUF (each lay
 
 
 def contenders(user_file: bool) -> tuple[Contender, ...]:
-    """The user's GGUF (--gguf, or a gguf model source), else F16 and Q8_0 made by llama.cpp's converter
-    and Q4_0 quantized from that F16 by llama.cpp;
+    """The user's GGUF (--gguf, or a gguf model source) and the Q8_0 and Q4_K_M llama.cpp's quantizer makes
+    of it; else F16 and Q8_0 made by llama.cpp's converter and Q4_0 quantized from that F16 by llama.cpp;
     then the run's final model written with the plan's mix (``llama-plan``)."""
     if user_file:
-        return (Contender("llama-gguf", "llama.cpp on the given GGUF", "llama.cpp", user_gguf), PLANNED)
+        return (Contender("llama-gguf", "llama.cpp on the given GGUF", "llama.cpp", user_gguf),
+                Contender("llama-q8_0", "llama.cpp Q8_0 of the given GGUF (llama.cpp's quantizer)", "llama.cpp",
+                          _requantized("q8_0")),
+                Contender("llama-q4_k_m", "llama.cpp Q4_K_M of the given GGUF (llama.cpp's quantizer)", "llama.cpp",
+                          _requantized("q4_k_m")),
+                PLANNED)
     return (Contender("llama-f16", "llama.cpp F16 GGUF", "llama.cpp", _converted("f16")),
             Contender("llama-q8_0", "llama.cpp Q8_0 GGUF", "llama.cpp", _converted("q8_0")),
             Contender("llama-q4_0", "llama.cpp Q4_0 GGUF (llama.cpp's quantizer)", "llama.cpp", _quantized("q4_0")),

@@ -33,6 +33,10 @@ METHODS = {
     "rise MB": "how far the peak rose above the resident memory at the start of that batch run: what "
                "the workload itself needed (activations, KV cache, runtime buffers)",
     "model MB": "bytes of parameters and buffers (torch), of the ONNX graph, or of the GGUF file",
+    "b1 % of bound": "decode b1 as a share of the memory-bandwidth bound: the machine's copy bandwidth (STREAM's "
+                     "copy, read + written bytes, measured before any contender) over the bytes a token reads "
+                     "(model MB times the share of the model one token uses: top_k of a MoE's experts, not an "
+                     "untied input embedding; the KV cache left out) (opus.bench.bandwidth)",
     "ppl": "perplexity over the evaluation blocks (the same token ids for every contender)",
     "agree": "teacher-forced greedy agreement: on the baseline's own greedy continuation of the fidelity "
              "prompts, the fraction of positions where the contender's argmax equals the baseline's",
@@ -98,6 +102,13 @@ def _timing_lines(timing: dict[str, Any] | None, rows: list[Row]) -> list[str]:
     return lines
 
 
+def _bandwidth_line(bandwidth: dict[str, Any] | None) -> list[str]:
+    if not bandwidth or not bandwidth.get("copy_gb_s"):
+        return []
+    return [f"- memory bandwidth: {bandwidth['copy_gb_s']:.1f} GB/s (copy, {bandwidth['threads']} threads, before any "
+            f"contender); a token reads {bandwidth['read_fraction'] * 100:.0f} % of a model's bytes"]
+
+
 def _verdict(row: Row, budget: float) -> str:
     if row.status != "ok":
         return row.status
@@ -113,12 +124,13 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
              f"- evaluation: {report['evaluation']}",
              f"- agreement: {report['fidelity']}",
              f"- accuracy budget: perplexity +{budget * 100:g} % ({report['budget']['source']})",
+             *_bandwidth_line(report.get("bandwidth")),
              f"- Opus run: {report['run'] or report['no_run_reason']}",
              f"- {report['environment']}"]
     lines += _timing_lines(report.get("timing"), rows)
     lines.append("")
     head = ["contender"] + [f"{label} | ×" for _, label, _ in RATIO_COLUMNS] + [
-        "rise MB", MODEL_COLUMN[1], "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
+        "rise MB", MODEL_COLUMN[1], "b1 % of bound", "ppl", "Δppl", "agree", "agree free", f"≤ +{budget * 100:g} %"]
     cells_per_row = len(" | ".join(head).split(" | "))
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * cells_per_row)
@@ -131,7 +143,9 @@ def to_markdown(report: dict[str, Any], rows: list[Row]) -> str:
         cells = [row.name]
         for key, _, fmt in RATIO_COLUMNS:
             cells += [_num(m.get(key), fmt), _ratio(r.get(key), row.intervals.get(key))]
+        share = m.get("decode_bound_share")
         cells += [_num(m.get("peak_mem_rise_mb"), "{:.0f}"), _num(m.get("model_mb"), MODEL_COLUMN[2]),
+                  _num(None if share is None else share * 100, "{:.0f} %"),
                   _num(m.get("perplexity"), "{:.3f}"),
                   _num(None if row.ppl_increase is None else row.ppl_increase * 100, "{:+.2f} %"),
                   _num(m.get("agreement"), "{:.3f}"), _num(m.get("agreement_free"), "{:.3f}"), _verdict(row, budget)]

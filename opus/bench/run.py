@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from opus.bench import hf_contender, llamacpp, onnx_contenders, openvino_contender, torch_contenders
+from opus.bench.bandwidth import bound_figures, copy_bandwidth_gb_s, read_fraction
 from opus.bench.core import BenchContext, Contender, Row, judge, once_units, resident_mb, round_units, ttft_requests
 from opus.bench.gguf import cache_root
 from opus.bench.rounds import (
@@ -118,7 +119,8 @@ def prepare(request: BenchRequest, target: Target, work_dir: Path,
                        fidelity_tokens=tokens, threads=threads, vocab_size=int(model.config.vocab_size),
                        group_size=request.group_size, gguf=request.gguf, converter=request.converter,
                        cache_dir=cache_root(), work_dir=work_dir, checkpoint=target.checkpoint, spec=spec,
-                       no_run_reason=target.no_run_reason, log=log, fp32_mb=model_mb(model))
+                       no_run_reason=target.no_run_reason, log=log, fp32_mb=model_mb(model),
+                       bandwidth_gb_s=copy_bandwidth_gb_s(), read_fraction=read_fraction(model))
     del model
     budget, source = (request.budget, "--budget") if request.budget is not None else pipeline_budget(target.loaded)
     blocks = inputs.eval_blocks
@@ -130,6 +132,8 @@ def prepare(request: BenchRequest, target: Target, work_dir: Path,
                       f"{blocks.shape[0]} blocks × {blocks.shape[1]} tokens of data.evaluation",
         "fidelity": f"{count} prompts × {prompts.shape[1]} tokens ({prompt_source}), {tokens} greedy tokens each",
         "budget": {"value": budget, "source": source},
+        "bandwidth": {"copy_gb_s": round(ctx.bandwidth_gb_s, 2), "read_fraction": round(ctx.read_fraction, 4),
+                      "threads": threads},
         # completed by run_bench with the machine record (CPU, ISA, threads, libraries, load)
         "environment": f"device {spec.model.device}, {platform.machine()} {platform.system()}",
     }
@@ -164,6 +168,9 @@ def run_bench(request: BenchRequest, display: Any) -> tuple[dict[str, Any], list
     report["machine"] = machine["machine"]  # the CPU, its ISA, threads, kernel library and load before/after
     report["environment"] += f"; {describe(machine['machine'])}"
     judge(rows, report["budget"]["value"])
+    for row in rows:
+        if row.status == "ok":
+            row.metrics.update(bound_figures(row.metrics, ctx.bandwidth_gb_s, ctx.read_fraction))
     report["timing"]["noisy"] = [f"{row.name} {key}" for row in rows for key, i in row.intervals.items()
                                  if i.get("noisy")]
     return report, rows

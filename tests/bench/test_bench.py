@@ -111,7 +111,8 @@ def test_selection_and_budget(pipeline) -> None:
     # What replaced bench/demo.py: `opus bench PIPELINE --only hf,fp32,bf16`.
     assert [c.name for c in select(contenders, ["hf", "fp32", "bf16"])] == ["fp32", "bf16", "hf"]
     assert [c.name for c in select(contenders, ["w8a8"])] == ["fp32", "w8a8", "w8a8-tensor"]  # a prefix, like llama
-    assert [c.name for c in all_contenders(user_gguf=True) if c.family == "llama.cpp"] == ["llama-gguf", "llama-plan"]
+    assert [c.name for c in all_contenders(user_gguf=True) if c.family == "llama.cpp"] == [
+        "llama-gguf", "llama-q8_0", "llama-q4_k_m", "llama-plan"]
     with pytest.raises(InputError, match="unknown contender 'tensorrt'"):
         select(contenders, ["tensorrt"])
     assert pipeline_budget(load_pipeline(pipeline)) == (0.05, "stage 'check' gate perplexity.max_increase")
@@ -129,12 +130,13 @@ def test_verdict_against_the_budget() -> None:
 
 
 def test_unavailable_contenders_say_why(pipeline) -> None:
-    """hf needs a Hugging Face directory; SmoothQuant W8A8 needs text to calibrate on."""
-    for source in ({"gguf": "model.gguf"}, {"factory": "pkg.mod:fn"}):
-        ctx = SimpleNamespace(source=source, base_dir=pipeline.parent, device="cpu")
-        kind = next(iter(source))
-        with pytest.raises(Unavailable, match=f"a {kind} source, not a Hugging Face directory"):
-            hf_contender.hf(ctx)
+    """hf needs a Hugging Face directory or a GGUF file; SmoothQuant W8A8 needs text to calibrate on."""
+    ctx = SimpleNamespace(source={"factory": "pkg.mod:fn"}, base_dir=pipeline.parent, device="cpu")
+    with pytest.raises(Unavailable, match="a factory source, not a Hugging Face directory"):
+        hf_contender.hf(ctx)
+    ctx = SimpleNamespace(source={"gguf": "model.gguf"}, base_dir=pipeline.parent, device="cpu")
+    with pytest.raises(Unavailable, match="no GGUF file .*model.gguf for transformers to load"):
+        hf_contender.hf(ctx)
     spec = load_pipeline(pipeline).spec
     no_text = spec.model_copy(update={"data": spec.data.model_copy(update={"evaluation": None})})
     ctx = SimpleNamespace(spec=no_text, shared={})
