@@ -49,6 +49,16 @@ def test_a_cache_that_forgets_after_128_positions_fails_late_where_perplexity_ca
     assert min(rise[1:]) > 0.1 and max(rise[1:]) > 0.4
     assert metrics["long_nll_increase_max"] == pytest.approx(max(rise), abs=1e-3)
     assert metrics["long_nll"] > metrics["long_nll_base"] + 0.2
+    # As a gate holds it: perplexity (teacher-forced, cache-less, the same weights) passes, long generation fails.
+    from opus.pipeline.gates import check_gate
+    from opus.pipeline.spec import Threshold
+    from opus.runtime.metrics import evaluate_lm
+
+    ppl = evaluate_lm(model, prompts)["perplexity"]
+    verdict = check_gate({"perplexity": Threshold(max_increase=0.01), "long_nll_increase_max": Threshold(max=0.3)},
+                         {**metrics, "perplexity": ppl}, {"perplexity": ppl})
+    failed = [c.metric for c in verdict.checks if not c.passed]
+    assert failed == ["long_nll_increase_max"]
 
 
 def test_continuation_nll_is_the_cross_entropy_of_each_new_token() -> None:
