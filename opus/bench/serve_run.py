@@ -20,7 +20,13 @@ from typing import Any
 
 from opus.atomic import read_json
 from opus.bench.core import Unavailable
-from opus.bench.serve_servers import llamacpp_server, llamacpp_version
+from opus.bench.serve_servers import (
+    find_llama_server,
+    llama_server,
+    llama_server_version,
+    llamacpp_server,
+    llamacpp_version,
+)
 from opus.bench.target import Target, resolve_target
 from opus.errors import InputError, OpusError
 from opus.runtime.machine import describe, recorded, thread_count
@@ -67,6 +73,7 @@ class ServeRequest:
     max_batch: int | None = None  # opus serve's; default the largest level
     kv_budget_mb: float | None = None
     eager: bool = False  # opus serve --eager: a quick start (no compiled decode steps), not what the run chose
+    llama_server: Path | None = None  # llama.cpp's llama-server binary (default: found, opus.bench.serve_servers)
     ready_timeout_s: float = READY_TIMEOUT_S
 
 
@@ -136,13 +143,21 @@ def run_serve_bench(request: ServeRequest, out: Path | None, display: Any) -> di
         "prompt_source": prompt_source, "method": METHOD}
     with tempfile.TemporaryDirectory(prefix="opus-serve-bench-") as tmp:
         gguf, gguf_notes = run_gguf(target, request.gguf, tokenizer, Path(tmp))
-        # llama-cpp-python serves one request at a time in one context: room for one prompt and its output
-        # (the prompt's text may tokenize a little longer in the GGUF's tokenizer than in the pipeline's).
+        # Room for one prompt and its output per request (llama-cpp-python's one context; each of
+        # llama-server's slots): the prompt's text may tokenize a little longer in the GGUF's tokenizer.
         n_ctx = input_len + output_len + max(64, input_len // 4)
+        binary = find_llama_server(request.llama_server)
+        if binary is not None:  # llama.cpp's own server, one slot per client of the largest level
+            llama = llama_server(binary, gguf, threads, n_ctx, max(request.levels), log_dir)
+            llama.notes.append(f"{binary}: {llama_server_version(binary)}")
+        else:
+            llama = llamacpp_server(gguf, threads, n_ctx, log_dir)
+            llama.notes += [f"llama-cpp-python {llamacpp_version()}", "llama-server not found (--llama-server PATH, "
+                            "on the PATH, or `make llama-server`): llama-cpp-python's server, one request at a time"]
+            display.line(llama.notes[-1])
         servers = [opus_server(target.run_dir, threads, log_dir, request.max_batch or max(request.levels),
-                               request.kv_budget_mb, request.eager),
-                   llamacpp_server(gguf, threads, n_ctx, log_dir)]
-        servers[1].notes += [f"llama-cpp-python {llamacpp_version()}", *gguf_notes]
+                               request.kv_budget_mb, request.eager), llama]
+        servers[1].notes += gguf_notes
         with recorded(machine := {}):
             try:
                 for server in servers:

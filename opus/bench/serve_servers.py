@@ -1,8 +1,12 @@
-"""llama-cpp-python's server for ``opus bench --serve`` (``opus.runtime.server_process`` starts and stops it).
+"""llama.cpp's servers for ``opus bench --serve`` (``opus.runtime.server_process`` starts and stops them).
 
-llama-cpp-python's server has no ``ignore_eos``: so that output lengths are fixed, every
-end-of-generation token of the GGUF's vocabulary (``llama_vocab_is_eog``: EOS, EOT and the like) gets a
-logit bias of -1e9 (``logit_bias``, applied by its sampler to every generated token).
+``llama-server`` (llama.cpp's own, ``--parallel N`` slots with continuous batching: how llama.cpp's users
+serve) when a binary is found (``--llama-server PATH``, ``llama-server`` on the PATH, or the one ``make
+llama-server`` builds from llama-cpp-python's vendored llama.cpp); else llama-cpp-python's server, which
+runs one request at a time, and the report says so. llama-server takes ``ignore_eos`` for fixed output
+lengths; llama-cpp-python's has none, so every end-of-generation token of the GGUF's vocabulary
+(``llama_vocab_is_eog``: EOS, EOT and the like) gets a logit bias of -1e9 (``logit_bias``, applied by its
+sampler to every generated token).
 """
 
 from __future__ import annotations
@@ -50,6 +54,55 @@ def llamacpp_server(gguf: Path, threads: int, n_ctx: int, log_dir: Path) -> Serv
             f"end-of-generation token(s) {eog[:8]}")
     return Server("llama.cpp", command, port, "/v1/models", log_dir / "llama-server.log",
                   {"logit_bias": {str(t): EOG_BIAS for t in eog}}, [note], count_path="/extras/tokenize/count")
+
+
+LLAMA_SERVER = "llama-server"
+
+
+def built_llama_server() -> Path:
+    """Where ``make llama-server`` puts the binary it builds (under Opus's cache, ``opus.bench.gguf``)."""
+    from opus.bench.gguf import cache_root
+
+    return cache_root() / "llama-server" / "build" / "bin" / LLAMA_SERVER
+
+
+def find_llama_server(given: Path | None) -> Path | None:
+    """``given`` (which must exist), else ``llama-server`` on the PATH, else the one ``make llama-server`` built."""
+    import shutil
+
+    if given is not None:
+        if not given.is_file():
+            raise ServerError(f"--llama-server {given}: no such file")
+        return given
+    found = shutil.which(LLAMA_SERVER)
+    if found:
+        return Path(found)
+    built = built_llama_server()
+    return built if built.is_file() else None
+
+
+def llama_server(binary: Path, gguf: Path, threads: int, n_ctx: int, slots: int, log_dir: Path) -> Server:
+    """llama.cpp's ``llama-server`` as its users run it for several clients: ``--parallel slots`` (each slot
+    ``n_ctx`` tokens of one shared context, continuous batching on, llama.cpp's default), ``threads`` for
+    prompt and generation; ``ignore_eos`` in each request for fixed output lengths."""
+    port = free_port()
+    flags = ["--threads", str(threads), "--threads-batch", str(threads), "--ctx-size", str(n_ctx * slots),
+             "--parallel", str(slots), "--cont-batching"]
+    command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
+    note = f"llama-server {' '.join(flags)}; fixed output lengths: ignore_eos"
+    return Server("llama.cpp", command, port, "/health", log_dir / "llama-server.log", {"ignore_eos": True}, [note],
+                  count_path="/tokenize", count_style="tokens")
+
+
+def llama_server_version(binary: Path) -> str:
+    import subprocess
+
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        return f"? ({exc})"
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "version" in line.lower()]
+    return lines[0].strip() if lines else "?"
 
 
 def llamacpp_version() -> str:

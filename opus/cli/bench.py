@@ -20,7 +20,8 @@ NOT_SERVE = {"only": "--only", "batch_size": "--batch", "warmup": "--warmup", "r
              "converter": "--converter"}
 
 CONTENDERS = ("fp32 (baseline), bf16, torch-int8, w8a16, w4a16, w8a8, w8a8-tensor, compile, hf, onnx-fp32, "
-              "onnx-int8, ov, ov-int8, ov-fp32, llama-f16, llama-q8_0, llama-q4_0 (llama-gguf with --gguf), "
+              "onnx-int8, ov, ov-int8, ov-fp32, llama-f16, llama-q8_0, llama-q4_0 (with --gguf or a GGUF model: "
+              "llama-gguf, and llama-q8_0 and llama-q4_k_m made of it by llama.cpp's quantizer), "
               "llama-plan (the run's plan as GGUF), opus")
 
 
@@ -66,6 +67,9 @@ def add_parsers(sub: Any) -> None:
     serve.add_argument("--kv-budget-mb", type=float, help="opus serve's --kv-budget-mb (default: the run's)")
     serve.add_argument("--eager", action="store_true", help="opus serve's decode steps eager, not compiled: a quick "
                                                              "start for a check, not what the run chose")
+    serve.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: on the PATH, "
+                                                         "else the one `make llama-server` builds; none: "
+                                                         "llama-cpp-python's server, one request at a time)")
     serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
 
 
@@ -100,7 +104,8 @@ def cmd_serve_bench(args: argparse.Namespace) -> int:
     request = ServeRequest(target=args.target, runs_dir=args.runs_dir, input_len=args.input_len,
                            output_len=args.output_len, levels=_levels(args.concurrency), requests=args.requests,
                            rounds=args.rounds, threads=args.threads, gguf=args.gguf, max_batch=args.max_batch,
-                           kv_budget_mb=args.kv_budget_mb, eager=args.eager, ready_timeout_s=args.ready_timeout)
+                           kv_budget_mb=args.kv_budget_mb, eager=args.eager, ready_timeout_s=args.ready_timeout,
+                           llama_server=args.llama_server)
     with BenchDisplay(quiet=args.quiet) as display:
         report = run_serve_bench(request, args.out, display)
     emit(report, args.format, Path(report["out"]))

@@ -253,9 +253,15 @@ class OpusLM(TemplateLM):
     def _generate(self, prompts: list[list[int]], until: list[str], limit: int, sampling: Sampling | None) -> list[str]:
         batch = torch.tensor(prompts, dtype=torch.long)
         done = self._stopper(until, len(prompts))
-        result = generate(self.model, batch, limit, self._factory, sampling, done=done)
+        # Caches sized by power-of-two buckets, not by each request's length: a run's compiled decode steps
+        # are specialised to their cache's size, and the harness's prompts come in every length.
+        result = generate(self.model, batch, limit, lambda rows, length: self._factory(rows, self._bucket(length)),
+                          sampling, done=done)
         self._beat()
         return [self._cut(row.tolist(), until) for row in result.tokens.cpu()]
+
+    def _bucket(self, length: int) -> int:
+        return max(length, min(1 << max(6, (length - 1).bit_length()), self.max_length))
 
     def _stopper(self, until: list[str], rows: int) -> Callable[[torch.Tensor], bool]:
         def done(tokens: torch.Tensor) -> bool:

@@ -46,6 +46,7 @@ class Server:
     extra_body: dict[str, Any] = field(default_factory=dict)  # what each request adds for fixed lengths
     notes: list[str] = field(default_factory=list)
     count_path: str | None = None  # an endpoint that counts a text's tokens in the server's tokenizer
+    count_style: str = "count"  # "count": {input, model} -> {count} (llama-cpp-python); "tokens": {content} -> {tokens}
     model: str = ""  # the model id its /v1/models lists, filled in when ready
     api_key: str | None = None  # sent as a bearer token when the server requires one
     process: subprocess.Popen[bytes] | None = None
@@ -92,11 +93,12 @@ class Server:
         """``text`` in the server's own tokenizer (None without a counting endpoint)."""
         if self.count_path is None:
             return None
-        data = json.dumps({"input": text, "model": self.model}).encode()
-        post = urllib.request.Request(self.url + self.count_path, data, {"Content-Type": "application/json",
-                                                                        **self.headers})
+        body = {"content": text} if self.count_style == "tokens" else {"input": text, "model": self.model}
+        post = urllib.request.Request(self.url + self.count_path, json.dumps(body).encode(),
+                                      {"Content-Type": "application/json", **self.headers})
         with urllib.request.urlopen(post, timeout=30) as response:
-            return int(json.loads(response.read())["count"])
+            answer = json.loads(response.read())
+        return len(answer["tokens"]) if self.count_style == "tokens" else int(answer["count"])
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -221,3 +221,29 @@ def test_bench_serve_end_to_end_on_the_smoke_run(smoke_run, tmp_path, capsys) ->
         assert ratio["orders"] == [["opus", "llama.cpp"], ["llama.cpp", "opus"]]  # the first server alternates
         assert ratio["paired_rounds"] == 2 and ratio["output_tok_s"] > 0 and ratio["ttft_ms_p99"] > 0
     assert report["machine"]["threads"] == 1 and "load" in report["environment"]
+
+
+def test_llama_server_is_found_or_said_missing(tmp_path, monkeypatch) -> None:
+    """llama.cpp's own server: --llama-server, else on the PATH, else what `make llama-server` built; its
+    command serves one slot per client with continuous batching and asks for fixed lengths with ignore_eos."""
+    from opus.bench import serve_servers
+
+    with pytest.raises(ServerError, match="no such file"):
+        serve_servers.find_llama_server(tmp_path / "nope")
+    monkeypatch.setenv("OPUS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    assert serve_servers.find_llama_server(None) is None
+    built = serve_servers.built_llama_server()
+    built.parent.mkdir(parents=True)
+    built.write_text("")
+    assert serve_servers.find_llama_server(None) == built
+    (tmp_path / "bin").mkdir()
+    on_path = tmp_path / "bin" / "llama-server"
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert serve_servers.find_llama_server(None) == on_path
+    server = serve_servers.llama_server(on_path, tmp_path / "m.gguf", 2, 700, 8, tmp_path)
+    flags = server.command
+    assert flags[flags.index("--parallel") + 1] == "8" and flags[flags.index("--ctx-size") + 1] == str(700 * 8)
+    assert "--cont-batching" in flags and server.extra_body == {"ignore_eos": True}
+    assert (server.ready_path, server.count_path, server.count_style) == ("/health", "/tokenize", "tokens")
