@@ -16,6 +16,7 @@ ids for text is checked on a sample and reported in the row.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -57,6 +58,30 @@ class LlamaSession:
         self.lm.clear()
 
 
+# One prompt token through llama.cpp at its defaults, in a process of its own: a crash there (llama.cpp's
+# AMX weight repacking segfaulted on an Intel Xeon with AMX, 2026-12-07) must not take the bench with it.
+PROBE = """
+import sys, llama_cpp
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), llama_cpp.llama_model_default_params())
+params = llama_cpp.llama_context_default_params()
+params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 64, 64, 1, 1
+ctx = llama_cpp.llama_init_from_model(model, params)
+token = (llama_cpp.llama_token * 4)(1, 2, 3, 4)
+sys.exit(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(token, 4)))
+"""
+
+
+@functools.cache
+def defaults_run(path: Path) -> bool:
+    """Whether llama.cpp runs ``path`` at its default model parameters (tried in a child process)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, timeout=300)
+    return done.returncode == 0
+
+
 class LlamaCppLM(nn.Module):
     def __init__(self, path: Path, n_seq_max: int, seq_len: int, n_batch: int, threads: int,
                  vocab_size: int) -> None:
@@ -68,7 +93,11 @@ class LlamaCppLM(nn.Module):
         if n_seq_max > api.llama_max_parallel_sequences():
             raise Unavailable(f"llama.cpp takes at most {api.llama_max_parallel_sequences()} sequences at once")
         api.llama_backend_init()
-        self.model_p = api.llama_model_load_from_file(str(path).encode(), api.llama_model_default_params())
+        model_params = api.llama_model_default_params()
+        self.repacking = defaults_run(path)
+        if not self.repacking:  # what llama-server's --no-repack sets: weights in the file's own layout
+            model_params.use_extra_bufts = False
+        self.model_p = api.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model_p:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = api.llama_context_default_params()
@@ -185,6 +214,10 @@ def _load(ctx: BenchContext, path: Path, notes: list[str]) -> Built:
     lm = LlamaCppLM(path, n_seq, seq_len, min(4096, biggest_call), ctx.threads, ctx.vocab_size)
     notes = [*notes, f"llama.cpp via llama-cpp-python {_version()}, {ctx.threads} threads; B prompts = B "
              "sequences in one llama_batch per step, llama.cpp's KV cache; greedy argmax by Opus's engine"]
+    if not lm.repacking:
+        notes.append("llama.cpp crashed at its default model parameters on this file here (a one-token run in a "
+                     "child process; its weight repacking for the CPU's matrix units): loaded with "
+                     "use_extra_bufts off, as llama-server's --no-repack")
     if ctx.tokenizer is not None:
         notes.append(_token_check(lm, ctx.tokenizer, ctx))
     return Built(lm, lambda batch, length: LlamaSession(lm), notes, {"model_mb": path.stat().st_size / 2**20},

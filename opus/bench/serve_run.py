@@ -26,6 +26,7 @@ from opus.bench.serve_servers import (
     llama_server_version,
     llamacpp_server,
     llamacpp_version,
+    without_repacking,
 )
 from opus.bench.target import Target, resolve_target
 from opus.errors import InputError, OpusError
@@ -43,7 +44,7 @@ from opus.runtime.serve_load import (
     summarize,
 )
 from opus.runtime.serve_prompts import pipeline_tokenizer, serve_prompts
-from opus.runtime.server_process import READY_TIMEOUT_S, Server, opus_server
+from opus.runtime.server_process import READY_TIMEOUT_S, Server, ServerError, opus_server
 
 METHOD = ("each level R rounds; a round runs the level on each server, one right after the other, the first "
           "server rotating from round to round; a level's pass on a server: one untimed wave of C short requests "
@@ -160,9 +161,16 @@ def run_serve_bench(request: ServeRequest, out: Path | None, display: Any) -> di
         servers[1].notes += gguf_notes
         with recorded(machine := {}):
             try:
-                for server in servers:
+                for index, server in enumerate(servers):
                     display.line(f"starting {server.name} server: {server.notes[0]}")
-                    server.start(request.ready_timeout_s)
+                    try:
+                        server.start(request.ready_timeout_s)
+                    except ServerError:
+                        again = without_repacking(server)
+                        if again is None:
+                            raise
+                        display.line(again.notes[-1])
+                        servers[index] = server = again.start(request.ready_timeout_s)
                     display.line(f"{server.name} ready on {server.url} (model '{server.model}')")
                     # What opus serve says it loaded (context, batch, KV blocks, compiled or eager decode steps).
                     said = [line for line in server.tail(40).splitlines() if line.startswith("loaded ")]

@@ -94,6 +94,22 @@ def llama_server(binary: Path, gguf: Path, threads: int, n_ctx: int, slots: int,
                   count_path="/tokenize", count_style="tokens")
 
 
+def without_repacking(server: Server) -> Server | None:
+    """llama-server again with ``--no-repack`` when it crashed (SIGSEGV) before it was ready at its defaults:
+    its weight repacking for the CPU's matrix units (AMX here) can crash a build that runs otherwise; the
+    note says so, as a setting its users would have to make too. None for any other failure."""
+    crashed = server.process is not None and server.process.returncode == -11
+    if not crashed or "--no-repack" in server.command or Path(server.command[0]).name != LLAMA_SERVER:
+        return None
+    again = Server(server.name, [*server.command, "--no-repack"], free_port(), server.ready_path, server.log,
+                   server.extra_body, list(server.notes), server.count_path, server.count_style)
+    port = again.command.index("--port") + 1
+    again.command[port] = str(again.port)
+    again.notes.append("llama-server crashed at its defaults (SIGSEGV before it was ready, in its weight repacking "
+                       "for this CPU's matrix units): run with --no-repack, weights in the GGUF's own layout")
+    return again
+
+
 def llama_server_version(binary: Path) -> str:
     import subprocess
 

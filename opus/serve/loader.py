@@ -96,12 +96,23 @@ def load_served(path: Path, settings: ServeSettings, name: str | None = None, tr
     kv_cache = cache_config_from_recipe(loaded.state.get("recipe"))
     compile_decode = settings.compile
     if compile_decode is None:
-        compile_decode = bool(kv_cache and kv_cache.get("kind") in COMPILED_KINDS and kv_cache.get("compile", True))
+        compile_decode = compiled_choice(kv_cache)
     engine = Engine(model, KVBlockPool(shape), BlockManager(num_blocks, settings.block_size, settings.prefix_caching),
                     max_batch=settings.max_batch, max_waiting=settings.max_waiting, max_context=min(limits),
                     prefill_chunk=settings.prefill_chunk, compile_decode=compile_decode)
     return Served(engine, loaded.tokenizer, name or _name_of(origin, path), origin, kv_cache, budget_mb,
                   source, eos_ids(loaded.tokenizer, model))
+
+
+def compiled_choice(kv_cache: dict[str, Any] | None) -> bool:
+    """Whether the run chose compiled decode steps: a static (or cuda_graph) cache with ``compile``, or a
+    ``by_batch`` choice with such a cache for some batch size (the run chose per batch; the server's decode
+    batches span them all)."""
+    if not kv_cache:
+        return False
+    if kv_cache.get("kind") == "by_batch":
+        return any(compiled_choice(rule.get("cache")) for rule in kv_cache.get("rules", []))
+    return kv_cache.get("kind") in COMPILED_KINDS and bool(kv_cache.get("compile", True))
 
 
 def _name_of(model_dir: Path, given: Path) -> str:

@@ -247,3 +247,19 @@ def test_llama_server_is_found_or_said_missing(tmp_path, monkeypatch) -> None:
     assert flags[flags.index("--parallel") + 1] == "8" and flags[flags.index("--ctx-size") + 1] == str(700 * 8)
     assert "--cont-batching" in flags and server.extra_body == {"ignore_eos": True}
     assert (server.ready_path, server.count_path, server.count_style) == ("/health", "/tokenize", "tokens")
+
+
+def test_a_llama_server_that_crashed_at_its_defaults_runs_again_without_repacking(tmp_path) -> None:
+    import subprocess
+
+    from opus.bench import serve_servers
+
+    binary = tmp_path / "llama-server"
+    server = serve_servers.llama_server(binary, tmp_path / "m.gguf", 2, 256, 4, tmp_path)
+    assert serve_servers.without_repacking(server) is None  # never started: nothing to retry
+    server.process = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+    server.process.wait()
+    again = serve_servers.without_repacking(server)
+    assert again is not None and again.command[-1] == "--no-repack" and "--no-repack" in again.notes[-1]
+    assert again.command[again.command.index("--port") + 1] == str(again.port)
+    assert serve_servers.without_repacking(again) is None  # once only
