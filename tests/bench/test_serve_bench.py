@@ -195,9 +195,13 @@ HAS_OPUS_SERVER = all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn"
 
 @NEEDS_LLAMA_SERVER
 @pytest.mark.skipif(not HAS_OPUS_SERVER, reason="opus serve (opus.cli.serve, fastapi, uvicorn) is not here")
-def test_bench_serve_end_to_end_on_the_smoke_run(smoke_run, tmp_path, capsys) -> None:
+def test_bench_serve_end_to_end_on_the_smoke_run(smoke_run, tmp_path, capsys, monkeypatch) -> None:
     """``opus bench --serve`` on the session's smoke run (K3, every stage, its GGUF exported): both servers
     started, two levels in two rounds each, every request answered at its fixed length, the files written."""
+    from opus.bench import serve_run
+
+    # llama-cpp-python's server here (a llama-server binary on this machine is another test's subject).
+    monkeypatch.setattr(serve_run, "find_llama_server", lambda given: None)
     assert smoke_run.summary is not None and smoke_run.summary["status"] == "finished", smoke_run.result.tail()
     out = tmp_path / "out"
     assert main(["bench", "--serve", str(smoke_run.run_dir), "--concurrency", "1,2", "--requests", "2", "--rounds",
