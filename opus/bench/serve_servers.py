@@ -11,6 +11,7 @@ sampler to every generated token).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -101,10 +102,10 @@ def without_repacking(server: Server) -> Server | None:
     crashed = server.process is not None and server.process.returncode == -11
     if not crashed or "--no-repack" in server.command or Path(server.command[0]).name != LLAMA_SERVER:
         return None
-    again = Server(server.name, [*server.command, "--no-repack"], free_port(), server.ready_path, server.log,
-                   server.extra_body, list(server.notes), server.count_path, server.count_style)
-    port = again.command.index("--port") + 1
-    again.command[port] = str(again.port)
+    port = free_port()
+    command = [*server.command, "--no-repack"]
+    command[command.index("--port") + 1] = str(port)
+    again = dataclasses.replace(server, command=command, port=port, notes=list(server.notes), process=None)
     again.notes.append("llama-server crashed at its defaults (SIGSEGV before it was ready, in its weight repacking "
                        "for this CPU's matrix units): run with --no-repack, weights in the GGUF's own layout")
     return again

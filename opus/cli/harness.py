@@ -81,6 +81,8 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 def cmd_tasks(args: argparse.Namespace) -> int:
     from opus.harness.tasks import write_tasks
 
+    if args.samples < 1:
+        raise InputError(f"must be at least 1, got {args.samples}", key="--samples")
     missing = [str(f) for f in args.files if not f.is_file()]
     if missing:
         raise InputError(f"no such text file: {', '.join(missing[:3])}")

@@ -50,10 +50,26 @@ def task_entry(entry: str, base: Path) -> str | dict[str, Any]:
         raise InputError(f"not a task file ({str(error).splitlines()[0]})", file=str(path)) from None
     if not isinstance(config, dict) or not isinstance(config.get("task"), str):
         raise InputError("a task file is a mapping with a 'task' name", file=str(path))
+    reach = _template_reaching_python(config)
+    if reach:
+        raise InputError(f"a template that reaches Python's internals ({reach!r}): the harness renders templates "
+                         "with jinja2, where '__' attributes lead to running code; not run", file=str(path))
     files = (config.get("dataset_kwargs") or {}).get("data_files")
     if files is not None:
         config["dataset_kwargs"]["data_files"] = _resolved(files, path.parent)
     return config
+
+
+def _template_reaching_python(value: Any) -> str | None:
+    """The first jinja template in a task's config that names a dunder attribute (``{{ x.__class__ }}``):
+    from a stranger's file, the harness's unsandboxed jinja2 would run what such a template reaches."""
+    if isinstance(value, dict):
+        return next((found for v in value.values() if (found := _template_reaching_python(v))), None)
+    if isinstance(value, list):
+        return next((found for v in value if (found := _template_reaching_python(v))), None)
+    if isinstance(value, str) and ("{{" in value or "{%" in value) and "__" in value:
+        return value[:60]
+    return None
 
 
 def _resolved(files: Any, folder: Path) -> Any:

@@ -52,6 +52,7 @@ def test_a_task_file_by_path_has_its_data_resolved_against_its_folder(tmp_path: 
     ("task: t\nprocess_docs: !function utils.process\n", "a tag Opus does not run"),
     ("- just\n- a list\n", "a mapping with a 'task' name"),
     ("task: [unclosed\n", "not a task file"),
+    ("task: t\ndoc_to_text: \"{{ ''.__class__.__mro__[1].__subclasses__() }}\"\n", "reaches Python's internals"),
 ])
 def test_a_task_file_that_would_run_code_or_is_not_one_is_one_line(tmp_path: Path, text: str, words: str) -> None:
     (tmp_path / "t.yaml").write_text(text)
