@@ -1,7 +1,7 @@
 """A compiled static-shape decode step on CPU, side by side with the eager engine, in one run.
 
 Batch-1 decode on CPU is bound by per-op dispatch (~1,300 aten calls per K3 step in eager PyTorch).
-This measures what removing it is worth: opus.fusion.static_runner's ``StaticRunner`` (static KV cache, masked
+This measures what removing it is worth: opus.bench.static_path.runner's ``StaticRunner`` (static KV cache, masked
 attention over all slots, every expert on every token) with its decode step compiled by inductor
 into one C++ wrapper (``cpp_wrapper``), against Opus's eager engine on the same model and prompts.
 
@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from opus.fusion.static_runner import StaticRunner  # noqa: E402
+from opus.bench.static_path.runner import StaticRunner  # noqa: E402
 from opus.models import load_model  # noqa: E402
 from opus.pipeline.spec import TextSetSpec  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402

@@ -35,9 +35,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from opus.fusion.fast_decoder import FastDecoder  # noqa: E402
-from opus.fusion.fidelity import agreement, compare, opus_forced, runner_forced  # noqa: E402
-from opus.fusion.static_runner import StaticRunner  # noqa: E402
+from opus.bench.static_path.fast_decoder import FastDecoder  # noqa: E402
+from opus.bench.static_path.fidelity import agreement, compare, opus_forced, runner_forced  # noqa: E402
+from opus.bench.static_path.runner import StaticRunner  # noqa: E402
 from opus.models import build_model, config_from_hf, load_model  # noqa: E402
 from opus.models.hf import map_hf_tensors  # noqa: E402
 from opus.runtime.engine import generate  # noqa: E402

@@ -31,8 +31,8 @@ from compiled_prefill import k3_prefill_setup, optimized  # noqa: E402
 from opus.kv import static  # noqa: E402
 from opus.kv.cache import cache_factory  # noqa: E402
 from opus.models import native_attention  # noqa: E402
-from opus.runtime.choose import Option, interleave  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
+from opus.runtime.timed_choice import Option, interleave  # noqa: E402
 
 
 def main() -> None:

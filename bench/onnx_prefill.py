@@ -21,8 +21,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opus.export.onnx_kv import META_FILE as META  # noqa: E402
-from opus.runtime.choose import Option, interleave  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
+from opus.runtime.timed_choice import Option, interleave  # noqa: E402
 
 
 def onnx_dir(path: Path) -> Path:

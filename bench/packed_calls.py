@@ -1,4 +1,4 @@
-"""The packed int8 GEMM ops' C++ kernels (opus.quant.native) against Python kernels of the same ops,
+"""The packed int8 GEMM ops' C++ kernels (opus.quant.cpp_kernels) against Python kernels of the same ops,
 called from a compiled graph, side by side in one run.
 
 A compiled function calls ``--layers`` int8 linears (``--rows`` × ``--k`` by ``--n``, one weight each) and
@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opus.quant import fbgemm, native, onednn, packed  # noqa: E402, F401 - importing a kernel registers it
-from opus.runtime.choose import Option, interleave  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
+from opus.runtime.timed_choice import Option, interleave  # noqa: E402
 
 _BENCH = torch.library.Library("opus_bench", "DEF")
 

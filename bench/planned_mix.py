@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing Opus (stages/ is not installed)
 
@@ -47,7 +45,7 @@ def planned(made: dict[str, Any]) -> Contender:
     def build(ctx: BenchContext) -> Built:
         from opus.quant.apply import quantize_model
         from opus.quant.calibrate import collect_stats
-        from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
+        from opus.quant.plan import PlanRequest, make_plan
         from opus.runtime.data import load_blocks
         from stages.plan import Config as PlanConfig
         from stages.quantize import Config as QuantizeConfig
@@ -73,20 +71,17 @@ def planned(made: dict[str, Any]) -> Contender:
         # As stages/quantize.py: its promotions, then the plan with real kernels.
         changes = promoted_groups(doc, quant_cfg.promote)
         model = ctx.load("float32")
-        quantize_model(model, assignment_from_plan(doc), stats, group_size=doc.get("group_size", 128),
-                       alpha=quant_cfg.alpha)
+        quantize_model(model, doc.assignment(), stats, group_size=doc.group_size, alpha=quant_cfg.alpha)
         made["plan"] = doc
-        counts: dict[str, int] = {}
-        for group in doc["groups"]:
-            counts[group["format"]] = counts.get(group["format"], 0) + 1
+        counts = doc.format_counts()
         w = ctx.spec.workload
         notes = [f"plan made as the plan stage makes it ({plan_where}) in {seconds:.1f} s, kernels timed at the "
                  f"pipeline's workload {w.batch_size}×{w.input_len}→{w.output_len}; groups per format: "
                  + ", ".join(f"{k} {v}" for k, v in counts.items())]
-        predicted = doc.get("predicted", {}).get("ppl_increase")
+        predicted = doc.predicted.ppl_increase
         if predicted is not None:
             notes.append(f"predicted perplexity increase {predicted * 100:+.2f} %")
-        checked = doc.get("measured")
+        checked = doc.measured
         if checked:
             notes.append(f"end-to-end check kept {checked['kept']}: " + ", ".join(
                 f"{name} {row['batch_ms']} ms" for name, row in checked["contenders"].items()) + " per batch")
@@ -123,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                            threads=args.threads, group_size=args.group_size, extra=(planned(made),))
     with BenchDisplay() as display:
         report, rows = run_bench(request, display)
-    plan = {"plan.yaml": yaml.safe_dump(made["plan"], sort_keys=False, width=120)} if "plan" in made else {}
+    plan = {"plan.yaml": made["plan"].to_yaml()} if "plan" in made else {}
     emit(report, rows, args.format, args.out, plan)
     return 0
 

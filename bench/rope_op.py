@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opus.models.decoder import _cos_sin, apply_rope, rope_cos_sin  # noqa: E402
-from opus.runtime.choose import Option, interleave  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
+from opus.runtime.timed_choice import Option, interleave  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ from opus.pipeline.spec import load_pipeline  # noqa: E402
 from opus.pipeline.state import load_base  # noqa: E402
 from opus.quant.apply import quantize_model  # noqa: E402
 from opus.quant.calibrate import collect_stats  # noqa: E402
-from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan  # noqa: E402
+from opus.quant.plan import PlanRequest, make_plan  # noqa: E402
+from opus.quant.plan_file import PlanDocument  # noqa: E402
 from opus.quant.sensitivity import Scoring  # noqa: E402
 from opus.runtime.data import load_blocks  # noqa: E402
 from opus.runtime.machine import describe, recorded  # noqa: E402
@@ -36,8 +37,8 @@ from opus.runtime.metrics import evaluate_lm  # noqa: E402
 from stages.plan import Config as PlanConfig  # noqa: E402
 
 
-def unit_scores(doc: dict[str, Any]) -> dict[tuple[str, str], float]:
-    return {(g["name"], fmt): value for g in doc["groups"] for fmt, value in g.get("score", {}).items()}
+def unit_scores(doc: PlanDocument) -> dict[tuple[str, str], float]:
+    return {(g.name, fmt): value for g in doc.groups for fmt, value in g.score.items()}
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -75,20 +76,18 @@ def main() -> None:
             plan_s = time.monotonic() - started
             del model  # smoothed in place: quantize a fresh float copy, as the quantize stage does
             model, _ = load_base(spec, base_dir)
-            quantize_model(model, assignment_from_plan(doc), stats, group_size=cfg.group_size)
+            quantize_model(model, doc.assignment(), stats, group_size=cfg.group_size)
             with torch.inference_mode():
                 ppl = evaluate_lm(model, evaluation)["perplexity"]
             scores = unit_scores(doc)
             first = first or (method, scores, doc)
             common = [k for k in first[1] if k in scores]
-            counts: dict[str, int] = {}
-            for group in doc["groups"]:
-                counts[group["format"]] = counts.get(group["format"], 0) + 1
-            same = [g["format"] for g in doc["groups"]] == [g["format"] for g in first[2]["groups"]]
-            rows.append((method, doc["sensitivity"]["seconds"], plan_s,
+            counts = doc.format_counts()
+            same = [g.format for g in doc.groups] == [g.format for g in first[2].groups]
+            rows.append((method, (doc.sensitivity or {}).get("seconds"), plan_s,
                          spearman([first[1][k] for k in common], [scores[k] for k in common]),
                          sum(scores[k] for k in common) / sum(first[1][k] for k in common), counts, same,
-                         doc["predicted"]["ppl_increase"], ppl / base_ppl - 1))
+                         doc.predicted.ppl_increase, ppl / base_ppl - 1))
             print(f"{method}: sweep {rows[-1][1]} s, measured perplexity {ppl:.3f}", flush=True)
     print(f"\n{describe(record['machine'])}")
     print(f"{args.pipeline}: float perplexity {base_ppl:.3f}; kernel timings measured once, shared by every plan")

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from opus.errors import InputError
 from opus.export.native import EXPORT_FILE, load_exported
+from opus.models.saved_state import Materialized
 from opus.pipeline.checkpoint import MANIFEST, intact
 from opus.pipeline.run_files import RUN_FILE, export_dirs, final_checkpoint, load_run
-from opus.pipeline.state import Materialized, materialize
+from opus.pipeline.state import materialize
 from opus.trust import loading
 
 

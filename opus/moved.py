@@ -43,7 +43,7 @@ OLD_TO_NEW = {
     "opus.data": "opus.runtime.data",
     "opus.export": "opus.export.native",
     "opus.noise": "opus.runtime.noise",
-    "opus.choose": "opus.runtime.choose",
+    "opus.choose": "opus.runtime.timed_choice",
     "opus.kvcache": "opus.kv.cache",
     "opus.kvpool": "opus.kv.pool",
     "opus.static_cache": "opus.kv.static",
@@ -61,6 +61,18 @@ OLD_TO_NEW = {
     "opus.doctor": "opus.cli.doctor",
     "opus.quant.planner": "opus.quant.knapsack",
     "opus.quant.planning": "opus.quant.plan",
+    # Renamed so that each name says which module it is (issue 50).
+    "opus.export.hf": "opus.export.hf_compressed",
+    "opus.quant.native": "opus.quant.cpp_kernels",
+    "opus.serve.engine": "opus.serve.scheduler",
+    "opus.serve.metrics": "opus.serve.prometheus",
+    "opus.fusion.as_run": "opus.fusion.ready_to_time",
+    "opus.quant.suffix": "opus.quant.suffix_trials",
+    "opus.runtime.choose": "opus.runtime.timed_choice",
+    "opus.gpu.qlinear": "opus.bench.static_path.qlinear",
+    "opus.fusion.fast_decoder": "opus.bench.static_path.fast_decoder",
+    "opus.fusion.static_runner": "opus.bench.static_path.runner",
+    "opus.fusion.fidelity": "opus.bench.static_path.fidelity",
 }
 
 

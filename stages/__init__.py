@@ -35,7 +35,7 @@ class MeasureConfig(BaseModel):
 
 @dataclass
 class Measured:
-    loaded: Any  # opus.pipeline.state.Materialized
+    loaded: Any  # opus.models.saved_state.Materialized
     inputs: Any  # opus.runtime.metrics.Inputs
     factory: Any  # opus.kv.cache.CacheFactory
     progress: Any  # opus.runtime.metrics.Progress

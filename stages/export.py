@@ -66,7 +66,8 @@ def _held_out(ctx: StageContext, tokenizer: Any, count: int) -> list[Any]:
 
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     from opus.atomic import relative_path
-    from opus.export.native import ExportSettings, export_model
+    from opus.export.native import export_model
+    from opus.export.settings import ExportSettings
     from opus.runtime.machine import thread_count
 
     loaded = ctx.load_model()

@@ -33,7 +33,7 @@ from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Failure
 from opus.pipeline.replay import source_artifact
-from opus.runtime.choose import DEFAULT_ROUNDS, write_decisions
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, write_decisions
 
 VERSION = "1"
 ROLE = "transform"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
@@ -58,7 +58,7 @@ class Check(Strict):
 
 
 class Compile(Strict):
-    enabled: bool = False  # measured: kept only when a decode step gets faster beyond the noise (opus.runtime.choose)
+    enabled: bool = False  # measured: kept only when a decode step gets faster beyond the noise (timed_choice)
     backend: str = "inductor"
     mode: str | None = None
     dynamic: bool | None = None

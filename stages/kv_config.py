@@ -17,7 +17,7 @@ or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged 
 ``input_len``/``output_len`` given here) at each batch size that fits the memory budget (default:
 1 and the workload's), in interleaved rounds (``repeats``), each round timed as the prefill plus
 the median decode step for every step. At each batch size the shared rule of
-``opus.runtime.choose`` picks: the fastest, unless others are within the noise margin of it;
+``opus.runtime.timed_choice`` picks: the fastest, unless others are within the noise margin of it;
 among those tied, the one whose time to first token is shortest beyond its own noise margin (the
 same rule over the prefills of the same rounds: a compiled prefill that a request's decode steps
 hide still shortens D), then the simpler wins (each kind's ``simplicity``: growing, pooled, static,
@@ -52,7 +52,7 @@ from opus.kv.step_kernels import packed_kernels
 from opus.models.attention import LOSSY_KERNELS
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
-from opus.runtime.choose import DEFAULT_ROUNDS, replayed, write_decisions
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, replayed, write_decisions
 
 VERSION = "1"
 ROLE = "transform"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
@@ -172,14 +172,14 @@ def _as_written(value: Any) -> str:
 
 def _race(model: Any, prompts: Any, output_len: int, rows: list[dict[str, Any]], warmup: int, rounds: int,
           progress: Any) -> tuple[Any, dict[str, Any]]:
-    """Time the rows' caches at one batch size in interleaved rounds (opus.runtime.choose); fill each row's P
+    """Time the rows' caches at one batch size in interleaved rounds (opus.runtime.timed_choice); fill each row's P
     figures and the peak memory of its first timed run. Returns the decision and the winning row."""
     from contextlib import nullcontext
 
     from opus.kv.cache import cache_factory
-    from opus.runtime.choose import Option, decide, reported
     from opus.runtime.engine import model_device, timed_generate
     from opus.runtime.metrics import PeakMemory, memory_figures, throughput_figures
+    from opus.runtime.timed_choice import Option, decide, reported
 
     runs: dict[str, list[Any]] = {}
 
@@ -217,7 +217,7 @@ def _first_token_among_tied(decision: Any, options: list[Any], prefill_s: dict[s
     """Among the caches tied on the request's time, the one with the shortest time to first token (the
     shared rule over the prefills of the same rounds; tied again, the simpler, unless another prefilled faster
     in every round: choose.faster_every_round). The request's decision then names it, and its reason says why."""
-    from opus.runtime.choose import decide_from, faster_every_round
+    from opus.runtime.timed_choice import decide_from, faster_every_round
 
     tied = [o for o in options if o.name in decision.tied]
     first_token = decide_from(f"time to first token, among the KV caches tied {decision.what[len('KV cache '):]}",

@@ -8,20 +8,20 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from opus.errors import InputError
-from opus.fusion.as_run import fused_and_compiled
+from opus.fusion.ready_to_time import fused_and_compiled
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
 from opus.quant.calibrate import CALIBRATION_FILE, collect_stats
 from opus.quant.formats import FORMATS, check_format, known
-from opus.quant.plan import PLAN_FILE, PlanRequest, assignment_from_plan, make_plan
+from opus.quant.plan import PlanRequest, make_plan
+from opus.quant.plan_file import PLAN_FILE, PlanDocument, read_plan
 from opus.quant.sensitivity import Scoring
 from opus.quant.validate import check_runtime
-from opus.runtime.choose import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 from opus.runtime.data import load_blocks
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, Decision, replayed, write_decisions
 
 VERSION = "1"
 ROLE = "analysis"  # how the run's verdict counts this stage (opus.pipeline.registry.ROLES)
@@ -87,7 +87,8 @@ class Config(BaseModel):
     plan_file: str | None = Field(None, description="a hand-edited plan.yaml to honour as is")
     sensitivity: Sensitivity = Field(default_factory=Sensitivity)
     rounds: int = Field(DEFAULT_ROUNDS, ge=1, description="interleaved timing rounds behind each choice "
-                        "(kernel timing, end-to-end check); their spread sets the noise margin (opus.runtime.choose)")
+                        "(kernel timing, end-to-end check); their spread sets the noise margin "
+                        "(opus.runtime.timed_choice)")
 
     @field_validator("formats")
     @classmethod
@@ -174,21 +175,17 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
                               Scoring(cfg.sensitivity.method, cfg.sensitivity.top_k), ctx.units("sensitivity"),
                               _cluster(ctx, model), **runtime)
         doc, decisions = make_plan(model, blocks, stats, request, ctx.workload, progress=ctx.progress)
-        sweep = doc["sensitivity"]
-        ctx.log(f"sensitivity: {sweep['units']} units, {sweep['measured']} measured, {sweep['reused']} reused "
-                "from an earlier attempt")
+        sweep = doc.sensitivity or {}
+        ctx.log(f"sensitivity: {sweep.get('units')} units, {sweep.get('measured')} measured, "
+                f"{sweep.get('reused')} reused from an earlier attempt")
     write_decisions(ctx, decisions)
-    ctx.write_artifact(PLAN_FILE, yaml.safe_dump(doc, sort_keys=False, width=120))
-    counts: dict[str, int] = {}
-    for group in doc["groups"]:
-        counts[group["format"]] = counts.get(group["format"], 0) + 1
-    metrics = {"planned_groups": len(doc["groups"]), **{f"groups_{k}": v for k, v in counts.items()}}
-    predicted = doc.get("predicted", {})
-    if predicted.get("ppl_increase") is not None:
-        metrics["predicted_ppl_increase"] = predicted["ppl_increase"]
-    if predicted.get("linear_speedup") is not None:
-        metrics["predicted_linear_speedup"] = predicted["linear_speedup"]
-    info = {"notes": doc.get("notes", []), **({"sensitivity": doc["sensitivity"]} if "sensitivity" in doc else {})}
+    ctx.write_artifact(PLAN_FILE, doc.to_yaml())
+    metrics = {"planned_groups": len(doc.groups), **{f"groups_{k}": v for k, v in doc.format_counts().items()}}
+    if doc.predicted.ppl_increase is not None:
+        metrics["predicted_ppl_increase"] = doc.predicted.ppl_increase
+    if doc.predicted.linear_speedup is not None:
+        metrics["predicted_linear_speedup"] = doc.predicted.linear_speedup
+    info = {"notes": doc.notes, **({"sensitivity": doc.sensitivity} if doc.sensitivity else {})}
     return StageResult(metrics=metrics, info=info)
 
 
@@ -216,17 +213,11 @@ def _cluster(ctx: StageContext, model: Any) -> Callable[[], AbstractContextManag
     return lambda: ray_pool(executor.ray, on_event)
 
 
-def _user_plan(path: Path, model, note: str | None = None) -> dict:  # noqa: ANN001
-    if not path.is_file():
-        raise InputError("plan file not found", file=str(path))
-    doc = yaml.safe_load(path.read_text()) or {}
-    try:
-        assignment = assignment_from_plan(doc)
-    except ValueError as exc:
-        raise InputError(str(exc), file=str(path)) from None
+def _user_plan(path: Path, model: Any, note: str | None = None) -> PlanDocument:
+    doc = read_plan(path)
     names = {n for n, _ in model.named_modules()}
-    missing = sorted(set(assignment) - names)
+    missing = sorted(set(doc.assignment()) - names)
     if missing:
         raise InputError(f"plan names modules the model does not have: {', '.join(missing[:5])}", file=str(path))
-    doc.setdefault("notes", []).append(note or f"hand-edited plan from {path}")
+    doc.notes.append(note or f"hand-edited plan from {path}")
     return doc

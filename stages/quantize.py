@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from opus.errors import InputError
@@ -13,7 +12,7 @@ from opus.pipeline.contracts import Failure
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import CALIBRATION_FILE, ActivationStats
 from opus.quant.formats import is_noop, noop_name, promote
-from opus.quant.plan import PLAN_FILE, assignment_from_plan
+from opus.quant.plan_file import PLAN_FILE, PlanDocument, read_plan
 from opus.quant.tied import HEAD, share_embedding, shared_embedding_step, why_not_shared
 from opus.runtime.data import load_blocks
 from opus.runtime.metrics import Progress, evaluate_lm, model_mb
@@ -35,25 +34,25 @@ class Config(BaseModel):
                           "those rows, and the float table goes (the lookup rounds it to int8; measured below)")
 
 
-def _plan(ctx: StageContext) -> tuple[dict[str, Any], ActivationStats]:
+def _plan(ctx: StageContext) -> tuple[PlanDocument, ActivationStats]:
+    """The nearest upstream stage's plan and the calibration statistics it was made from."""
     for upstream in reversed(list(ctx.upstream.values())):
         if upstream.artifact(PLAN_FILE).is_file():
-            doc = yaml.safe_load(upstream.artifact(PLAN_FILE).read_text())
-            return doc, ActivationStats.load(upstream.artifact(CALIBRATION_FILE))
+            return read_plan(upstream.artifact(PLAN_FILE)), ActivationStats.load(upstream.artifact(CALIBRATION_FILE))
     raise InputError("quantize needs an upstream plan stage: no plan.yaml among its inputs (a plan stage "
                      "that was rolled back or skipped leaves none)")
 
 
-def promoted_groups(doc: dict[str, Any], count: int) -> list[dict[str, Any]]:
+def promoted_groups(doc: PlanDocument, count: int) -> list[dict[str, Any]]:
     """The ``count`` quantized groups whose assigned format hurts most, each promoted one step."""
-    quantized = [g for g in doc["groups"] if not is_noop(g["format"])]
-    ranked = sorted(quantized, key=lambda g: g.get("score", {}).get(g["format"], 0.0), reverse=True)
-    allowed = sorted({f for g in doc["groups"] for f in g.get("time_ms", {})})
+    quantized = [g for g in doc.groups if not is_noop(g.format)]
+    ranked = sorted(quantized, key=lambda g: g.score.get(g.format, 0.0), reverse=True)
+    allowed = sorted({f for g in doc.groups for f in g.time_ms})
     changes = []
     for group in ranked[:count]:
-        new = promote(group["format"], allowed) or noop_name()
-        changes.append({"group": group["name"], "from": group["format"], "to": new})
-        group["format"] = new
+        new = promote(group.format, allowed) or noop_name()
+        changes.append({"group": group.name, "from": group.format, "to": new})
+        group.format = new
     return changes
 
 
@@ -63,9 +62,8 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     loaded = ctx.load_model()
     model = loaded.model
     ctx.progress(0, 2, "quantizing")
-    step = quantize_model(model, assignment_from_plan(doc), stats, group_size=doc.get("group_size", 128),
-                          alpha=cfg.alpha)
-    ctx.write_artifact("plan.applied.yaml", yaml.safe_dump(doc, sort_keys=False, width=120))
+    step = quantize_model(model, doc.assignment(), stats, group_size=doc.group_size, alpha=cfg.alpha)
+    ctx.write_artifact("plan.applied.yaml", doc.to_yaml())
     recipe, shared = [step], _share_embedding(ctx, cfg, model, step)
     if shared["shared"]:
         recipe.append(shared_embedding_step())

@@ -36,7 +36,7 @@ SAMPLE = "def main():\n    print('héllo, wörld')  # 3.14 ✓\n\tif x >= 10:\n 
 _LOG_CALLBACK: list[Any] = []  # ctypes must keep the callback alive as long as llama.cpp may call it
 
 
-def _quiet_logs(api: Any) -> None:
+def quiet_logs(api: Any) -> None:
     """llama.cpp logs every load and context at length (and warns about sizes it rounds): errors only."""
     if not _LOG_CALLBACK:
         def log(level: int, text: bytes, user_data: Any) -> None:
@@ -89,7 +89,7 @@ class LlamaCppLM(nn.Module):
         import llama_cpp
 
         self.api = api = llama_cpp
-        _quiet_logs(api)
+        quiet_logs(api)
         if n_seq_max > api.llama_max_parallel_sequences():
             raise Unavailable(f"llama.cpp takes at most {api.llama_max_parallel_sequences()} sequences at once")
         api.llama_backend_init()
@@ -339,7 +339,7 @@ def plan_gguf(checkpoint: Path, spec: Any, base_dir: Path, source: dict[str, Any
     """An Opus run's final model (``checkpoint``) written as a GGUF with the plan's mix
     (``opus.export.gguf_mix``) under ``out``: the file and what the notes say of it."""
     from opus.export.gguf_mix import export_gguf
-    from opus.export.native import ExportSettings
+    from opus.export.settings import ExportSettings
     from opus.pipeline.state import materialize
 
     loaded = materialize(checkpoint, spec, base_dir)

@@ -92,7 +92,8 @@ def _export(ctx: BenchContext) -> dict[str, Any]:
         return ctx.shared["onnx"]
     if importlib.util.find_spec("onnxruntime") is None or importlib.util.find_spec("onnxscript") is None:
         raise Unavailable("onnxruntime or onnxscript is not installed")
-    from opus.export.native import LogitsOnly, accepts_last_only, export_onnx, vocab_size
+    from opus.export.onnx_graph import LogitsOnly, accepts_last_only, export_onnx
+    from opus.export.settings import vocab_size
 
     model = ctx.load("float32")
     if not accepts_last_only(model):
@@ -135,7 +136,7 @@ def _quantized(ctx: BenchContext) -> dict[str, Any]:
 
 
 def _built(ctx: BenchContext, made: dict[str, Any], notes: list[str]) -> Built:
-    from opus.export.native import ort_session
+    from opus.export.onnx_graph import ort_session
 
     sessions = {g: ort_session(p, ctx.device, ctx.threads) for g, p in made["paths"].items()}
     model = OrtLM(sessions["last"], sessions["full"])

@@ -30,7 +30,7 @@ import torch
 
 from opus.bench import core
 from opus.bench.core import SAMPLES, TIMED_KEYS, BenchContext, Built, Contender, Row, Unavailable
-from opus.export.native import one_line
+from opus.export.settings import one_line
 from opus.runtime.metrics import MB, Progress
 from opus.runtime.noise import paired_key, spread, spread_key
 from opus.runtime.paired import MIN_ROUNDS, interleaved_rounds, measure_interleaved, rotation

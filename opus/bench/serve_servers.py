@@ -24,9 +24,9 @@ def eog_tokens(gguf: Path) -> list[int]:
     """The GGUF's end-of-generation token ids as llama.cpp itself decides them (its vocabulary only)."""
     import llama_cpp
 
-    from opus.bench.llamacpp import _quiet_logs
+    from opus.bench.llamacpp import quiet_logs
 
-    _quiet_logs(llama_cpp)
+    quiet_logs(llama_cpp)
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
     model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), params)

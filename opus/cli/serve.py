@@ -33,7 +33,11 @@ def add_parsers(sub: Any) -> None:
                                                           "kv_config budget)")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     serve.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default 256)")
-    serve.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    serve.add_argument("--prefill-chunk", type=int, default=512, help="most prompt tokens of one request a step "
+                                                                        "computes (default 512)")
+    serve.add_argument("--step-tokens", type=int, help="tokens one step computes: a token for each request being "
+                                                       "decoded, the rest on prompt chunks (default: max(512, 2 × "
+                                                       "max batch))")
     serve.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     serve.add_argument("--name", help="the model id clients use (default: the directory's name)")
     serve.add_argument("--chat-template", type=Path, help="a Jinja chat template, for a tokenizer without one")
@@ -58,10 +62,14 @@ def _settings(args: argparse.Namespace) -> Any:
     for name in ("max_batch", "block_size", "max_waiting", "prefill_chunk", "max_body_kb"):
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.step_tokens is not None and args.step_tokens <= args.max_batch:
+        raise InputError(f"--step-tokens must exceed --max-batch ({args.max_batch}): a full batch's decode step "
+                         f"would leave no token for a prompt, got {args.step_tokens}")
     if args.kv_budget_mb is not None and args.kv_budget_mb <= 0:
         raise InputError(f"--kv-budget-mb must be positive, got {args.kv_budget_mb}")
     return ServeSettings(max_batch=args.max_batch, kv_budget_mb=args.kv_budget_mb, block_size=args.block_size,
                          max_waiting=args.max_waiting, prefill_chunk=args.prefill_chunk,
+                         step_tokens=args.step_tokens,
                          compile=True if args.compile else False if args.eager else None,
                          prefix_caching=not args.no_prefix_cache)
 

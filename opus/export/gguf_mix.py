@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from opus.export.native import ExportSettings, one_line
+from opus.export.settings import ExportSettings, one_line
 from opus.export.targets import TargetOutcome
 from opus.export.unfused import Layer, layers, other_tensors
 from opus.models import layout

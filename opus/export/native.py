@@ -7,24 +7,20 @@
     tensors.safetensors   the full state dict (shared storages once), so the base weights may change
     config.json, tokenizer.json, ...  the model's config and tokenizer (``write_model_files``): with the
                           tensors, all ``load_exported`` needs; the directory loads wherever it is moved
-    hf/                   Hugging Face + compressed-tensors (``opus.export.hf``)
+    hf/                   Hugging Face + compressed-tensors (``opus.export.hf_compressed``)
     gguf/model.gguf       the plan's per-tensor GGUF types (``opus.export.gguf_mix``)
     onnx/                 a KV-cache decoder graph for onnxruntime (``opus.export.onnx_kv``)
 
 A target that cannot represent the model reports why (``opus.export.targets.TargetOutcome``); the
-others are still written. ``LogitsOnly``/``export_onnx`` here are the no-cache graph ``opus bench``'s
-onnxruntime contenders time.
+others are still written. What every target is given and shares is in ``opus.export.settings``; the
+no-cache ONNX graph ``opus bench``'s onnxruntime contenders time is ``opus.export.onnx_graph``.
 """
 
 from __future__ import annotations
 
-import inspect
-import re
 import shutil
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +39,9 @@ from opus.atomic import (
 )
 from opus.atomic import replace_dir as swap_in
 from opus.errors import InputError
+from opus.export.settings import ExportSettings, one_line
 from opus.export.targets import TargetOutcome
-from opus.pipeline.state import Materialized, apply_state, changed_tensors
+from opus.models.saved_state import Materialized, apply_state, changed_tensors
 from opus.trust import loading
 
 EXPORT_FILE = "opus-export.json"
@@ -55,138 +52,6 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
                "chat_template.jinja", "chat_template.json")
 FORMAT_VERSION = 1
-
-
-class LogitsOnly(nn.Module):
-    """``model(input_ids) -> float32 logits`` with no cache: the one signature the ONNX graph gets."""
-
-    def __init__(self, model: nn.Module, last_only: bool) -> None:
-        super().__init__()
-        self.model, self.last_only = model, last_only
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits = self.model(input_ids, last_only=True) if self.last_only else self.model(input_ids)
-        return logits.float()
-
-
-def accepts_last_only(model: nn.Module) -> bool:
-    return "last_only" in inspect.signature(model.forward).parameters
-
-
-def vocab_size(model: nn.Module) -> int:
-    config = getattr(model, "config", None)
-    if getattr(config, "vocab_size", None):
-        return int(config.vocab_size)
-    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if embedding is None:
-        raise TypeError(f"{type(model).__name__} has no embedding: not a language model taking input_ids")
-    return int(embedding.num_embeddings)
-
-
-@dataclass
-class ExportSettings:
-    source: dict[str, Any]
-    base_dir: Path
-    dtype: str = "float32"
-    device: str = "cpu"
-    onnx: bool = True
-    hf: bool = True  # Hugging Face directory with compressed-tensors (opus.export.hf)
-    gguf: bool = True  # GGUF with the plan's per-tensor types (opus.export.gguf_mix)
-    prompts: list[str] = field(default_factory=lambda: ["def main():\n", "import os\nimport sys\n"])
-    # Held-out text (token blocks, one row each) the HF export's logits are compared with Opus's on.
-    held_out: list[torch.Tensor] = field(default_factory=list)
-    prompt_len: int = 16  # random prompts of this length when the model has no tokenizer
-    greedy_tokens: int = 8
-    batch_size: int = 1
-    input_len: int = 64
-    new_tokens: int = 4
-    warmup: int = 1
-    repeats: int = 3
-    threads: int | None = None
-    last_only: bool = True  # export next-token logits only (when the model supports it)
-    seed: int = 0
-    # progress(what, done=0, total=None): the stage's progress line and its heartbeat.
-    progress: Callable[..., None] = field(default=lambda what, done=0, total=None: None, repr=False)
-    # compiling(True/False): around a call that reports nothing until it ends (opaque_call).
-    compiling: Callable[[bool], None] = field(default=lambda active: None, repr=False)
-
-
-@contextmanager
-def opaque_call(s: ExportSettings) -> Iterator[None]:
-    """torch.export's graph capture and onnxruntime's graph optimization report nothing until they end
-    (minutes on a large model): told to the stage as a compile, so that its line says so and the watchdog
-    waits ``run.compile_timeout_s`` rather than calling the silence a stall."""
-    s.compiling(True)
-    try:
-        yield
-    finally:
-        s.compiling(False)
-
-
-def make_prompts(tokenizer: Any, vocab: int, s: ExportSettings) -> list[torch.Tensor]:
-    if tokenizer is not None and hasattr(tokenizer, "encode"):
-        encoded = [tokenizer.encode(text) for text in s.prompts]
-        ids = [getattr(e, "ids", e) for e in encoded]  # tokenizers.Encoding or a list
-        prompts = [torch.tensor([list(i)], dtype=torch.long) for i in ids if len(i)]
-        if prompts:
-            return prompts
-    gen = torch.Generator().manual_seed(s.seed)
-    return [torch.randint(0, vocab, (1, s.prompt_len), generator=gen) for _ in range(max(1, len(s.prompts)))]
-
-
-def onnx_translations() -> dict[Any, Callable[..., Any]]:
-    """ONNX for the int8 kernels Opus's quantized linears call, which the exporter has no translation for.
-
-    ``_int_mm`` (W8A8) is ONNX's own MatMulInteger (on uint8 operands, below); ``_weight_int8pack_mm``
-    (W8A16) dequantizes the int8 weight in the graph. The int4 (tinygemm-packed) and FP8 kernels have
-    none: those modules still fail to export, and the stage reports which op.
-    """
-    import numpy as np
-    import onnx_ir as ir
-    from onnxscript import opset18 as op
-
-    def as_uint8(x: Any) -> Any:
-        """int8 -> uint8 with zero point 128: the same integers, read as (x_u8 - 128)."""
-        shift = op.Constant(value=ir.tensor(np.array(128, np.int16)))
-        return op.Cast(op.Add(op.Cast(x, to=ir.DataType.INT16), shift), to=ir.DataType.UINT8)
-
-    def int_mm(a: Any, b: Any) -> Any:
-        # onnxruntime's int8 x int8 MatMulInteger takes a slow path on x86 (K3's experts: ~6x slower than
-        # uint8 x int8 on an AVX-512 VNNI CPU), and uint8 x int8 can saturate on CPUs without VNNI
-        # (VPMADDUBSW's 16-bit sums). uint8 x uint8 with zero points 128 is the same integer product, exact
-        # on every CPU, ~3x faster than int8 x int8 here. onnxruntime folds the weight's shift at load.
-        zero = op.Constant(value=ir.tensor(np.array(128, np.uint8)))
-        return op.MatMulInteger(as_uint8(a), as_uint8(b), zero, zero)
-
-    def weight_int8pack_mm(x: Any, weight: Any, scales: Any) -> Any:
-        # The kernel takes bf16 activations; onnxruntime's CPU MatMul has no bf16, so compute in fp32.
-        x32 = op.Cast(x, to=1)  # 1 = FLOAT
-        w32 = op.Transpose(op.Cast(weight, to=1), perm=[1, 0])
-        return op.CastLike(op.Mul(op.MatMul(x32, w32), op.Cast(scales, to=1)), x)
-
-    return {torch.ops.aten._int_mm.default: int_mm, torch.ops.aten._weight_int8pack_mm.default: weight_int8pack_mm}
-
-
-def export_onnx(wrapper: nn.Module, path: Path, example: torch.Tensor) -> None:
-    dims = {"input_ids": {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}}
-    torch.onnx.export(wrapper, (example,), str(path), dynamo=True, input_names=["input_ids"],
-                      output_names=["logits"], dynamic_shapes=dims, external_data=True, verbose=False,
-                      custom_translation_table=onnx_translations())
-
-
-def ort_session(path: Path, device: str, threads: int | None) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    # Idle worker threads would otherwise spin after each run, taking the CPU from whatever runs next
-    # (opus bench interleaves its contenders round by round).
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    providers = ["CPUExecutionProvider"]
-    if device.startswith("cuda") and "CUDAExecutionProvider" in ort.get_available_providers():
-        providers.insert(0, "CUDAExecutionProvider")
-    return ort.InferenceSession(str(path), options, providers=providers)
 
 
 def _relative_source(source: dict[str, Any], base_dir: Path, export_dir: Path) -> dict[str, Any]:
@@ -234,18 +99,8 @@ def write_model_files(model: nn.Module, tokenizer: Any, out: Path, s: ExportSett
                                                  "imported from base_dir relative to the export)"}
 
 
-def one_line(exc: BaseException) -> str:
-    """The root cause's first line: the exporter's own top-level message is generic ("step 3/3 ...")."""
-    root, seen = exc, {id(exc)}
-    while (nxt := root.__cause__ or root.__context__) is not None and id(nxt) not in seen:
-        root = nxt
-        seen.add(id(root))
-    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(root).__name__}: {root}")
-    return next((line.strip() for line in text.splitlines() if line.strip()), type(root).__name__)[:400]
-
-
 def _hf(*args: Any) -> TargetOutcome:
-    from opus.export.hf import export_hf
+    from opus.export.hf_compressed import export_hf
 
     return export_hf(*args)
 

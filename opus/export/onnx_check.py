@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from opus.export.native import ExportSettings, accepts_last_only, make_prompts, ort_session
+from opus.export.onnx_graph import accepts_last_only, ort_session
+from opus.export.settings import ExportSettings, make_prompts
 
 P_METHOD = ("cached greedy loop on onnxruntime (prefill of batch_size prompts of input_len, then one-token "
             "steps feeding back present.* as past_key_values.*); tokens/s = batch x new_tokens / seconds, "

@@ -41,14 +41,8 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from opus.atomic import write_json, write_text
-from opus.export.native import (
-    ExportSettings,
-    accepts_last_only,
-    one_line,
-    onnx_translations,
-    opaque_call,
-    vocab_size,
-)
+from opus.export.onnx_graph import accepts_last_only, onnx_translations
+from opus.export.settings import ExportSettings, one_line, opaque_call, vocab_size
 from opus.export.targets import TargetOutcome
 from opus.kv.cache import CacheBase
 from opus.models import decoder

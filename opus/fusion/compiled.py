@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from opus.fusion.measure import decode_step_s
-from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported
 
 
 @dataclass
@@ -23,7 +23,7 @@ class CompileDecision:
     compiled_ms: float | None
     reason: str
     settings: dict[str, Any]
-    choice: Decision | None = field(default=None, repr=False)  # the timings behind it (opus.runtime.choose)
+    choice: Decision | None = field(default=None, repr=False)  # the timings behind it (opus.runtime.timed_choice)
 
     def record(self) -> dict[str, Any]:
         """For fusion.json (what ``run.decisions_from`` replays)."""
@@ -46,7 +46,7 @@ def uncompile(model: nn.Module) -> None:
 def decide_compile(model: nn.Module, input_ids: torch.Tensor, settings: dict[str, Any], steps: int = 8,
                    rounds: int = DEFAULT_ROUNDS) -> CompileDecision:
     """Time a decode step eager and compiled (after warm-up) in interleaved rounds; keep the compile
-    only where the shared rule of ``opus.runtime.choose`` picks it: eager is the simpler, so it wins a tie
+    only where the shared rule of ``opus.runtime.timed_choice`` picks it: eager is the simpler, so it wins a tie
     within the noise margin."""
     try:
         compile_model(model, settings)

@@ -5,7 +5,7 @@ the modes every one of them can run on the model's device (``sorted`` and ``dens
 ``grouped`` where ``torch._grouped_mm`` runs for float experts, ``compiled`` on CPU for float and
 W8A8 experts) and the others with the reason, checks
 that each runnable mode computes what ``sorted`` computes, then times them with the shared rule of
-``opus.runtime.choose``: a prefill of the prompts, and a decode step at the decode batch. The winner
+``opus.runtime.timed_choice``: a prefill of the prompts, and a decode step at the decode batch. The winner
 of each phase is set on every GroupedMoE and recorded (``ExpertChoice.record()`` in fusion.json, its
 ``modes`` in the fuse recipe step, the decisions in decisions.json), so resume and replay rebuild it.
 """
@@ -21,8 +21,17 @@ from torch import nn
 from opus.fusion.capture import tolerance_for
 from opus.fusion.measure import decode_step_s
 from opus.fusion.moe import DEFAULT_MODES, EXPERT_MODES, PHASES, grouped_moes, set_modes
-from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, replayed, reported, run_relative, wall_clock
 from opus.runtime.data import tiled
+from opus.runtime.timed_choice import (
+    DEFAULT_ROUNDS,
+    Decision,
+    Option,
+    decide,
+    replayed,
+    reported,
+    run_relative,
+    wall_clock,
+)
 
 # A tie within the noise goes to the simpler: the sorted mode (what ran before modes were chosen), then
 # dense (plain GEMMs), then grouped (a private torch op), then compiled (an inductor compile per process).

@@ -47,6 +47,11 @@ def register_stacker(cls: type) -> Callable[[Stacker], Stacker]:
     return decorator
 
 
+def has_concat_rule(module: nn.Module) -> bool:
+    """Whether layers of ``module``'s class can be concatenated (a rule is registered for it)."""
+    return type(module) in _CONCAT
+
+
 def _same_class(mods: list[nn.Module]) -> type | str:
     classes = {type(m) for m in mods}
     if len(classes) != 1:

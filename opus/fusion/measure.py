@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from opus.fusion.tracing import node_count, regions, try_trace
 from opus.kv.cache import GrowingKVCache
-from opus.runtime.choose import wall_clock
+from opus.runtime.timed_choice import wall_clock
 
 
 class OpCounter(TorchDispatchMode):

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opus.fusion import ops
-from opus.fusion.linear_ops import _CONCAT, concat_linears
+from opus.fusion.linear_ops import concat_linears, has_concat_rule
 from opus.models.layout import DECODER
 
 
@@ -56,7 +56,7 @@ def _module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
 
 
 def _is_linear(m: nn.Module | None) -> bool:
-    return m is not None and (isinstance(m, nn.Linear) or type(m) in _CONCAT or "Linear" in type(m).__name__)
+    return m is not None and (isinstance(m, nn.Linear) or has_concat_rule(m) or "Linear" in type(m).__name__)
 
 
 def _find_module_node(gm: fx.GraphModule, target: str) -> fx.Node:

@@ -10,7 +10,7 @@ replayed: each later step is one ``replay()`` with no Python or dispatch work at
 that cannot be captured (an op that syncs with the host, such as a data-dependent MoE gather) runs
 uncaptured from then on and says why in ``opus.kv.compiled_steps.NOTES``.
 
-``SlotKVBuffers`` is what opus.fusion.static_runner's CUDA-graph runner writes: one buffer per K and V.
+``SlotKVBuffers`` is what opus.bench.static_path.runner's CUDA-graph runner writes: one buffer per K and V.
 Shapes never change, so a decode step that writes position ``p`` and attends to every slot with a
 ``key_pos <= p`` mask has the same shapes at every step and can be captured in a CUDA graph. Slots
 past the current position hold stale values; the mask hides them, and each is overwritten before

@@ -44,7 +44,7 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -65,17 +65,17 @@ def _tensors(reader: Any, path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-class _Metadata:
+class GGUFMetadata:
     """A GGUF reader's fields as a read-only ``get(key, default)`` mapping, values decoded on demand."""
 
     def __init__(self, reader: Any) -> None:
         self.reader = reader
 
     def get(self, key: str, default: Any = None) -> Any:
-        return _field(self.reader, key, default)
+        return gguf_field(self.reader, key, default)
 
 
-def config_from_gguf(meta: Mapping[str, Any] | _Metadata, raw: Mapping[str, Any], path: Path | str) -> ModelConfig:
+def config_from_gguf(meta: Mapping[str, Any] | GGUFMetadata, raw: Mapping[str, Any], path: Path | str) -> ModelConfig:
     """A ModelConfig from GGUF metadata (key -> value, as llama.cpp writes it) and the tensors' shapes.
 
     ``raw`` is read for presence and shapes only (biases, q/k norms, expert sizes), so tests can pass
@@ -174,7 +174,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Any]:
     except Exception as e:  # the gguf package raises bare ValueErrors on foreign files
         raise ModelLoadError(f"{path}: not a readable GGUF file: {e}") from e
     raw = _tensors(reader, path)
-    cfg = config_from_gguf(_Metadata(reader), raw, path)
-    tokenizer = gguf_tokenizer(path, _Metadata(reader))
-    arch = str(_field(reader, "general.architecture"))
+    cfg = config_from_gguf(GGUFMetadata(reader), raw, path)
+    tokenizer = gguf_tokenizer(path, GGUFMetadata(reader))
+    arch = str(gguf_field(reader, "general.architecture"))
     return cfg, map_gguf_tensors(raw, cfg, arch), tokenizer

@@ -145,7 +145,7 @@ def _check_gguf(loaded: LoadedPipeline, path: Path) -> TokenizerLoader:
     import gguf
 
     from opus.models.config import ModelLoadError
-    from opus.models.gguf_file import ARCHES, _field, _Metadata
+    from opus.models.gguf_file import ARCHES, GGUFMetadata, gguf_field
     from opus.models.gguf_tokenizer import gguf_tokenizer
 
     loc = ("model", "gguf")
@@ -155,11 +155,11 @@ def _check_gguf(loaded: LoadedPipeline, path: Path) -> TokenizerLoader:
         reader = gguf.GGUFReader(str(path))  # header and tensor table only; the data stays mapped
     except Exception as exc:  # noqa: BLE001 - the gguf package raises bare ValueErrors and worse
         raise loaded.error(f"{path}: not a complete GGUF file ({type(exc).__name__}: {exc})", loc) from None
-    arch = str(_field(reader, "general.architecture", ""))
+    arch = str(gguf_field(reader, "general.architecture", ""))
     if arch not in ARCHES:
         raise loaded.error(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
                            f"{', '.join(sorted(ARCHES))}", loc)
-    missing = [k for k in _REQUIRED_GGUF_KEYS if _field(reader, f"{arch}.{k}") is None]
+    missing = [k for k in _REQUIRED_GGUF_KEYS if gguf_field(reader, f"{arch}.{k}") is None]
     if missing:
         raise loaded.error(f"{path}: missing GGUF metadata key {arch}.{missing[0]}", loc)
     size = path.stat().st_size
@@ -172,7 +172,7 @@ def _check_gguf(loaded: LoadedPipeline, path: Path) -> TokenizerLoader:
     # Built now, not only when text needs it: the loader builds it too (read_gguf) and would fail
     # there, inside the first stage; here it is one line before anything runs.
     try:
-        tok = gguf_tokenizer(path, _Metadata(reader))
+        tok = gguf_tokenizer(path, GGUFMetadata(reader))
     except ModelLoadError as exc:
         raise loaded.error(str(exc), loc) from None
     return lambda: tok

@@ -17,7 +17,7 @@ from opus.errors import InputError
 from opus.fusion.rewrite import FUSION_FILE
 from opus.kv.cache import KV_CONFIG_FILE
 from opus.pipeline.run_files import ARTIFACTS_DIR, find_artifact
-from opus.quant.plan import PLAN_FILE
+from opus.quant.plan_file import PLAN_FILE
 
 REPLAYED = (PLAN_FILE, KV_CONFIG_FILE, FUSION_FILE)  # the files the deciding stages replay
 

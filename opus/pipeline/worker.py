@@ -18,12 +18,13 @@ from typing import Any
 
 from opus import compile_watch
 from opus.errors import OpusError
+from opus.models.saved_state import changed_tensors
 from opus.pipeline.checkpoint import is_disk_full, write_checkpoint
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Job, ResultRecord, WorkerError
 from opus.pipeline.registry import load_stage_type
 from opus.pipeline.spec import load_pipeline
-from opus.pipeline.state import changed_tensors, read_state
+from opus.pipeline.state import read_state
 
 EXIT_CRASH = 1
 EXIT_DISK = 4

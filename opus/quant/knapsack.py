@@ -2,7 +2,7 @@
 
 Each group picks one format (a multiple-choice knapsack solved exactly by dynamic programming over a
 discretized budget). Value: measured kernel time saved over the workload against the float layer,
-each format's time as ``opus.runtime.choose.credible`` counts it: a format within the noise margin of a more
+each format's time as ``opus.runtime.timed_choice.credible`` counts it: a format within the noise margin of a more
 accurate one counts as no faster than it, so the knapsack takes the less accurate one only where
 it is faster beyond the noise (or the more accurate one does not fit the budget).
 Cost: predicted Δ cross-entropy (budget ``ppl``), weight bytes (``memory``) or weight bits
@@ -48,7 +48,7 @@ class GroupChoice:
     forced: str | None = None
     params: int = 0
     notes: list[str] = field(default_factory=list)
-    margin: float | None = None  # the noise margin of its kernel timings (opus.runtime.choose)
+    margin: float | None = None  # the noise margin of its kernel timings (opus.runtime.timed_choice)
 
 
 def budget_limit(kind: str, value: float, total_params: int) -> float:

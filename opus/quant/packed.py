@@ -17,7 +17,7 @@ steps and prefills call the packed kernel directly.
 None is on unless asked for (``use``), which ``available()`` allows where the library has the kernel
 and it agrees exactly with ``_int_mm`` on a product whose pairs reach the int8 extremes (a kernel that
 saturates 16-bit pair sums, as AVX2's ``vpmaddubsw`` does, fails it). Each call costs a fixed toll (the
-library's argument set-up, and a call into Python where opus.quant.native's C++ kernels are not built),
+library's argument set-up, and a call into Python where opus.quant.cpp_kernels's C++ kernels are not built),
 so big layers win and tiny ones lose: the static KV cache's compiled steps take a kernel per phase
 where ``kv_config`` measured it faster (``w8a8_packed_gemm``, opus.kv.static); the eager paths and
 exports keep ``_int_mm``. The twins cost the int8 weights' bytes once more per kernel, FBGEMM's twice
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from opus.quant import native
+from opus.quant import cpp_kernels
 
 _LIB = torch.library.Library("opus", "FRAGMENT")
 _ACTIVE: list[str | None] = [None]
@@ -65,7 +65,7 @@ class PackedKernel:
         return entry
 
     def python_kernel(self, q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The op's kernel in Python (where opus.quant.native's C++ one is not built): the twin, then ``run``."""
+        """The op's kernel in Python (where opus.quant.cpp_kernels's C++ one is not built): the twin, then ``run``."""
         return self.run(q, self.twin(qweight, scale), scale)
 
     def linear(self, q: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -110,13 +110,13 @@ KERNELS: dict[str, PackedKernel] = {}
 
 def register(kernel: PackedKernel) -> PackedKernel:
     """Define ``opus::<name>_int8_linear`` for ``kernel`` (CPU, and its shape for the compiler), with a
-    Python kernel that opus.quant.native's C++ one replaces once built; and ``opus::<name>_pack``, how
+    Python kernel that opus.quant.cpp_kernels's C++ one replaces once built; and ``opus::<name>_pack``, how
     that C++ kernel has a weight packed the first time it meets it."""
     op = f"{kernel.name}_int8_linear"
     _LIB.define(f"{op}(Tensor q, Tensor qweight, Tensor scale) -> Tensor")  # its CPU kernel: _kernel_in_place
     _LIB.define(f"{kernel.name}_pack(Tensor qweight, Tensor scale) -> ()")
     _LIB.impl(f"{kernel.name}_pack",
-              lambda qweight, scale: native.remember(kernel.name, qweight, kernel.twin(qweight, scale)), "CPU")
+              lambda qweight, scale: cpp_kernels.remember(kernel.name, qweight, kernel.twin(qweight, scale)), "CPU")
     torch.library.register_fake(f"opus::{op}", lib=_LIB)(
         lambda q, qweight, scale: q.new_empty((q.shape[0], qweight.shape[0]), dtype=torch.float32))
     KERNELS[kernel.name] = kernel
@@ -127,11 +127,11 @@ _PLACED: set[str] = set()
 
 
 def _kernel_in_place(kernel: PackedKernel) -> None:
-    """The CPU kernel of ``opus::<name>_int8_linear``: opus.quant.native's C++ one where it builds, else the
+    """The CPU kernel of ``opus::<name>_int8_linear``: opus.quant.cpp_kernels's C++ one where it builds, else the
     Python one, registered then (registering it first would have the C++ one override it, with a warning)."""
     if kernel.name in _PLACED:
         return
-    if native.load() is not None:
+    if cpp_kernels.load() is not None:
         _LIB.impl(f"{kernel.name}_int8_linear", kernel.python_kernel, "CPU")
     _PLACED.add(kernel.name)
 

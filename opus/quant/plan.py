@@ -13,16 +13,15 @@ import torch
 from torch import nn
 
 from opus.quant.calibrate import ActivationStats
-from opus.quant.formats import FORMATS, check_format, is_noop, known, ladder, noop_name
+from opus.quant.formats import FORMATS, check_format, is_noop, ladder, noop_name
 from opus.quant.groups import QGroup, build_groups, matches
 from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
+from opus.quant.plan_file import PlanDocument
 from opus.quant.sensitivity import Scoring, Tally, UnitCache, measure_sensitivity, scores_smoothed_in_one_pass
 from opus.quant.smooth import choose_factors, fold_factors, input_scales, smooth_groups
 from opus.quant.speed import KernelTimer, group_rounds_ms
 from opus.quant.validate import PLAN, Prepare, check_end_to_end
-from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
-
-PLAN_FILE = "plan.yaml"  # the plan stage's document: the chosen format per group, and why
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, Decision, Option, credible, decide_from
 
 Progress = Callable[[float, float, str], None]
 
@@ -38,7 +37,7 @@ class PlanRequest:
     safety: float = 0.7
     group_size: int = 128
     validate: bool = False  # time the plan and the uniform alternatives end to end (opus.quant.validate)
-    rounds: int = DEFAULT_ROUNDS  # interleaved timing rounds per decision (opus.runtime.choose)
+    rounds: int = DEFAULT_ROUNDS  # interleaved timing rounds per decision (opus.runtime.timed_choice)
     scoring: Scoring = field(default_factory=Scoring)  # how each (group, format) is scored
     units: UnitCache | None = None  # finished sensitivity units, reused across attempts
     # Opens a pool of cluster workers for the sweep (opus.cluster.ray_pool.ray_pool), closed before any
@@ -81,7 +80,7 @@ def _cost(kind: str, fmt: str, params: int, dce: float | None) -> float:
 
 
 def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, request: PlanRequest,
-              workload: Any, progress: Progress | None = None) -> tuple[dict[str, Any], list[Decision]]:
+              workload: Any, progress: Progress | None = None) -> tuple[PlanDocument, list[Decision]]:
     """Score every group in every format, time the kernels, solve the budget, explain each choice.
 
     Returns the plan document and the timing decisions behind it (one per group, and the end-to-end
@@ -171,7 +170,7 @@ def make_plan(model: nn.Module, blocks: torch.Tensor, stats: ActivationStats, re
     doc["sensitivity"] = {"method": request.scoring.method, "top_k": top_k, "units": total,
                           "measured": tally.measured, "reused": tally.reused, "ran_on": _ran_on(scores),
                           "seconds": round(sweep_s, 1)}
-    return doc, decisions
+    return PlanDocument.model_validate(doc), decisions
 
 
 def _ran_on(scores: dict[str, dict[str, Any]]) -> dict[str, int]:
@@ -202,7 +201,7 @@ def _timeable(group: QGroup, linears: list[nn.Linear], force: str | None, format
 
 def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, samples: dict[str, list[float]],
                   scores: dict[str, Any], budget_kind: str) -> tuple[GroupChoice, Decision]:
-    """The group's candidates, each timed as the shared rule counts it (opus.runtime.choose.credible)."""
+    """The group's candidates, each timed as the shared rule counts it (opus.runtime.timed_choice.credible)."""
     params = sum(lin.weight.numel() for lin in linears)
     dce = {fmt: scores.get(fmt, {}).get("dce") for fmt in samples}
     # Between formats as accurate as each other, the one higher up the accuracy ladder is the simpler.
@@ -217,16 +216,3 @@ def _group_choice(group: QGroup, linears: list[nn.Linear], force: str | None, sa
     choice = GroupChoice(group.name, group.role, group.modules, decision.medians[noop_name()], candidates, force,
                          params, margin=decision.margin)
     return choice, decision
-
-
-def assignment_from_plan(doc: dict[str, Any]) -> dict[str, str]:
-    """Module name -> format, from a (possibly hand-edited) plan document."""
-    out: dict[str, str] = {}
-    for index, group in enumerate(doc.get("groups", [])):
-        fmt = group.get("format")
-        if fmt not in FORMATS:
-            raise ValueError(f"groups[{index}] ({group.get('name')}): unknown format '{fmt}' "
-                             f"(known: {', '.join(known())})")
-        for module in group.get("modules", []):
-            out[module] = fmt
-    return out

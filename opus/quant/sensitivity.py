@@ -8,7 +8,7 @@ the final logits.
 Each (group, format) pair is one unit of work. ``Scoring`` says how a unit is measured: ``suffix``
 (the default on Opus decoders) runs only the layers from the group's first one, from cached hidden
 states, and scores the reference's top-k vocabulary plus the target and a tail bucket
-(opus.quant.suffix); ``full`` runs the whole model over the whole vocabulary; ``taylor`` predicts
+(opus.quant.suffix_trials); ``full`` runs the whole model over the whole vocabulary; ``taylor`` predicts
 every unit from one forward and backward pass per batch (opus.quant.taylor). Every score says how it
 was obtained (``how``). A ``UnitCache`` keeps finished units, so a sweep stopped half-way resumes.
 
@@ -33,7 +33,7 @@ from torch import nn
 
 from opus.quant.formats import FORMATS
 from opus.quant.groups import QGroup
-from opus.quant.suffix import (
+from opus.quant.suffix_trials import (
     HEAD,
     Reference,
     TrialLogits,

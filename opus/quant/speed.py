@@ -15,7 +15,7 @@ from torch import nn
 from opus import compile_watch
 from opus.models.layout import DECODER, format_group
 from opus.quant.formats import FORMATS
-from opus.runtime.choose import DEFAULT_ROUNDS, Option, interleave, reported, wall_clock
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, Option, interleave, reported, wall_clock
 
 MAX_ROWS = 2048  # larger row counts are timed at this size and scaled: GEMM time is linear in rows
 COLD_BYTES = 32 << 20  # float weight bytes cycled through per timing: more than the CPU's caches
@@ -66,7 +66,7 @@ def time_formats(formats: list[str], shape: Shape, device: str, dtype: torch.dty
     CPU caches: in a real decode step every weight comes from memory, not from cache — and that is
     where narrow weights pay off. A single cache-hot layer would favour float weights. A round's
     figure is the median of its calls (a call caught by another process is not counted); the formats
-    take turns round by round (``opus.runtime.choose``), so that the machine's slow moments hit them alike.
+    take turns round by round (``opus.runtime.timed_choice``), so that the machine's slow moments hit them alike.
 
     ``compiled``: the model will run compiled (fused, in the static cache's compiled steps), so a format
     whose layer has a pure kernel at this row count is also timed through inductor, and each round keeps

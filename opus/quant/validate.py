@@ -5,7 +5,7 @@ the GEMMs, caches shared by the layers, the engine's own work) shows only when t
 So the plan stage builds the planned model and every uniform assignment that fits the same predicted
 budget (every free group, a tied lm_head included, in that format) and whose linear layers, as
 their kernels were timed, take no more than ``FAR_SLOWER`` times the plan's, runs each through the engine on
-the workload's shape in interleaved rounds and picks by the shared rule of ``opus.runtime.choose``: the
+the workload's shape in interleaved rounds and picks by the shared rule of ``opus.runtime.timed_choice``: the
 fastest, unless others are within the noise margin of it; then the more accurate (lower predicted
 Δ cross-entropy), then the simpler (a uniform assignment before the per-layer plan).
 
@@ -36,8 +36,8 @@ from opus.quant.apply import quantize_model
 from opus.quant.calibrate import ActivationStats
 from opus.quant.formats import is_noop, noop_name
 from opus.quant.knapsack import Candidate, GroupChoice
-from opus.runtime.choose import DEFAULT_ROUNDS, Decision, Option, decide, reported
 from opus.runtime.engine import timed_generate
+from opus.runtime.timed_choice import DEFAULT_ROUNDS, Decision, Option, decide, reported
 
 Progress = Callable[[float, float, str], None]
 PLAN = "plan"

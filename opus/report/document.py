@@ -23,12 +23,12 @@ from opus.export.targets import EXPORTS_FILE
 from opus.fusion.rewrite import FUSION_FILE
 from opus.pipeline.events import EventLog
 from opus.pipeline.run_files import ARTIFACTS_DIR, find_artifact
-from opus.quant.plan import PLAN_FILE
+from opus.quant.plan_file import PLAN_FILE
 from opus.report import plots
 from opus.report.publish import REPORT_ASSETS, ratio_line
-from opus.runtime.choose import DECISIONS_FILE
 from opus.runtime.noise import as_range, how_measured, overlap, part_spreads, spread_key
 from opus.runtime.profiling import PROFILE_FILE
+from opus.runtime.timed_choice import DECISIONS_FILE
 
 Block = tuple  # ("h", text) | ("p", text) | ("table", headers, rows) | ("img", name, alt) | ("note", text)
 HEADLINE = (("throughput_tok_s", "P, tokens/s"), ("ttft_ms", "D, ms to first token"),
@@ -251,7 +251,7 @@ def _exports(run_dir: Path) -> list[Block]:
 
 
 def _decisions(run_dir: Path, summary: dict[str, Any]) -> list[Block]:
-    """Every choice made from timings (opus.runtime.choose): candidates' medians, the noise margin, the winner, why."""
+    """Every choice made from timings (opus.runtime.timed_choice): medians, the noise margin, the winner, why."""
     blocks: list[Block] = [("h", "Decisions from timings")]
     order = [s["id"] for s in summary.get("stages", [])]
     root = run_dir / ARTIFACTS_DIR

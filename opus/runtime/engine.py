@@ -187,7 +187,7 @@ def generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
 def timed_generate(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int,
                    cache_factory: CacheFactory | None = None,
                    on_step: Callable[[int], None] | None = None) -> tuple[GenerationResult, float, float]:
-    """``generate`` plus a robust timing for choices (opus.runtime.choose): ``(result, prefill_s, step_s)``
+    """``generate`` plus a robust timing for choices (opus.runtime.timed_choice): ``(result, prefill_s, step_s)``
     with ``step_s`` the median decode step (NaN for one token), so that a step caught by another
     process is not counted. Each step is waited for on CUDA, so time stamps mean finished work."""
     device = model_device(model)

@@ -1,5 +1,5 @@
 """The HTTP side of ``opus serve``: OpenAI's completions and chat completions, /v1/models, /health,
-/metrics. Requests go to the engine (``opus.serve.engine``), which runs in its own thread; tokens come
+/metrics. Requests go to the engine (``opus.serve.scheduler``), which runs in its own thread; tokens come
 back through an asyncio queue per request and are streamed as server-sent events ending in ``[DONE]``.
 
 A client that goes away (a dropped stream, a closed connection) cancels its request: the engine frees
@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from opus.runtime.engine import Sampling
-from opus.serve import engine as eng
+from opus.serve import scheduler as eng
 from opus.serve.loader import Served
-from opus.serve.metrics import ServerMetrics
+from opus.serve.prometheus import ServerMetrics
 from opus.serve.prompts import ChatTemplateMissing, chat_prompt_ids, completion_prompt_ids
 from opus.serve.protocol import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, error_body
 from opus.serve.text import TextStream

@@ -15,8 +15,8 @@ from typing import Any
 from opus.errors import InputError
 from opus.kv.sizing import kv_bytes_per_token, memory_budget
 from opus.serve.blocks import BlockManager
-from opus.serve.engine import Engine
 from opus.serve.kv_blocks import KVBlockPool, PoolShape
+from opus.serve.scheduler import Engine
 
 MB = 1024 * 1024
 COMPILED_KINDS = ("static", "cuda_graph")
@@ -29,6 +29,7 @@ class ServeSettings:
     block_size: int = 16
     max_waiting: int = 256
     prefill_chunk: int = 512
+    step_tokens: int | None = None  # tokens one step computes, decode rows first; default max(512, 2 × max_batch)
     compile: bool | None = None  # default: as the run chose
     prefix_caching: bool = True
 
@@ -49,7 +50,8 @@ class Served:
     def describe(self) -> str:
         e = self.engine
         mode = "compiled" if e.steps.compiled else "eager"
-        return (f"{self.name}: context {e.max_context}, max batch {e.max_batch}, {e.blocks.usable} KV blocks of "
+        return (f"{self.name}: context {e.max_context}, max batch {e.max_batch}, {e.step_tokens} tokens a step, "
+                f"{e.blocks.usable} KV blocks of "
                 f"{e.blocks.block_size} tokens ({self.budget_mb:.0f} MB, {self.budget_source}), {mode} decode steps "
                 f"(buckets {', '.join(map(str, e.steps.buckets))})")
 
@@ -99,7 +101,8 @@ def load_served(path: Path, settings: ServeSettings, name: str | None = None, tr
         compile_decode = compiled_choice(kv_cache)
     engine = Engine(model, KVBlockPool(shape), BlockManager(num_blocks, settings.block_size, settings.prefix_caching),
                     max_batch=settings.max_batch, max_waiting=settings.max_waiting, max_context=min(limits),
-                    prefill_chunk=settings.prefill_chunk, compile_decode=compile_decode)
+                    prefill_chunk=settings.prefill_chunk,
+                    step_tokens=settings.step_tokens or max(512, 2 * settings.max_batch), compile_decode=compile_decode)
     return Served(engine, loaded.tokenizer, name or _name_of(origin, path), origin, kv_cache, budget_mb,
                   source, eos_ids(loaded.tokenizer, model))
 

@@ -95,7 +95,7 @@ def test_llama_cpp_quantizes_a_gguf_uniformly(tmp_path) -> None:
 
     from opus.bench.llamacpp import quantize_file
     from opus.export.gguf_mix import export_gguf
-    from opus.export.native import ExportSettings
+    from opus.export.settings import ExportSettings
     from opus.models import load_model
 
     k3 = Path(__file__).resolve().parents[2] / "examples" / "k3" / "model"

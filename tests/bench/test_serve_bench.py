@@ -136,7 +136,7 @@ def test_prompts_are_windows_of_the_pipeline_s_text_at_distinct_offsets(tmp_path
 def tiny_gguf(tmp_path_factory) -> Path:
     """The tiny bench project's Llama as a float GGUF (Opus's writer, as the export stage writes it)."""
     from opus.export.gguf_mix import export_gguf
-    from opus.export.native import ExportSettings
+    from opus.export.settings import ExportSettings
     from opus.models import load_model
     from tests.bench.project import make_project
 

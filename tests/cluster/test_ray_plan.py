@@ -98,13 +98,13 @@ def test_with_the_same_timings_the_plan_made_on_ray_is_the_plan_made_locally(met
     here = make(None)
     assert timed  # filled by the first plan
     there = make(lambda: ray_pool(RaySettings(local_cpus=2, units_per_task=5)))
-    assert [(g["name"], g["format"]) for g in there["groups"]] == [(g["name"], g["format"]) for g in here["groups"]]
-    for mine, theirs in zip(here["groups"], there["groups"]):
-        assert theirs["score"] == pytest.approx(mine["score"], rel=1e-4, abs=1e-7)
-    ran_on = there["sensitivity"]["ran_on"]
+    assert [(g.name, g.format) for g in there.groups] == [(g.name, g.format) for g in here.groups]
+    for mine, theirs in zip(here.groups, there.groups):
+        assert theirs.score == pytest.approx(mine.score, rel=1e-4, abs=1e-7)
+    ran_on = there.sensitivity["ran_on"]
     if method == "suffix":
         assert len(ran_on) == 2  # two workers, five tasks of at most five units
     else:  # every unit from both batches, one task each
         (where,) = ran_on
         assert where.startswith("2 calibration-batch tasks on ") and " pid " in where, where
-        assert all(s["scored_by"].startswith("taylor proxy") for s in there["groups"] if "scored_by" in s)
+        assert all(s.scored_by.startswith("taylor proxy") for s in there.groups if s.scored_by)

@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from opus.export.native import ExportSettings
 from opus.export.onnx_check import OrtDecoder
 from opus.export.onnx_kv import ERROR_FILE, META_FILE, export_onnx
+from opus.export.settings import ExportSettings
 from opus.models.decoder import Attention, RotaryEmbedding
 
 TESTS = Path(__file__).resolve().parents[1]

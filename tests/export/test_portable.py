@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from opus.errors import InputError
-from opus.export.native import EXPORT_FILE, ExportSettings, export_model, load_exported
+from opus.export.native import EXPORT_FILE, export_model, load_exported
+from opus.export.settings import ExportSettings
 from opus.models import load_model
 from opus.models.config import hf_config
 from opus.pipeline.run_files import EXPORT_RECORD

@@ -223,7 +223,7 @@ def test_a_reloaded_quantized_moe_runs_its_dense_mode_on_the_loaded_weights(fmt:
     0.19 while the teacher-forced one said 1.000)."""
     from safetensors.torch import save_file
 
-    from opus.pipeline.state import apply_state, changed_tensors
+    from opus.models.saved_state import apply_state, changed_tensors
     from opus.quant.apply import quantize_model
     from opus.quant.calibrate import collect_stats
 

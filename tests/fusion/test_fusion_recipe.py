@@ -11,15 +11,12 @@ import yaml
 from fusion_kit import prompts, tiny_lm
 
 from opus.fusion import FusionConfig, apply_fusion, decide_compile, fuse_model, lm_probe
+from opus.models.saved_state import changed_tensors
 from opus.pipeline.spec import load_pipeline
-from opus.pipeline.state import STATE_FILE, TENSORS_FILE, changed_tensors, materialize
+from opus.pipeline.state import STATE_FILE, TENSORS_FILE, materialize
 from opus.recipe import apply_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def _marks(model):
-    return {n: (t.data_ptr(), t._version) for n, t in model.state_dict(keep_vars=True).items()}
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2_moe"])

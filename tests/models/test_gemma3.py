@@ -75,7 +75,7 @@ def test_local_layers_are_guarded_global_layers_are_not(tmp_path) -> None:
 
 
 def test_the_decoder_traces_and_the_fast_decoder_refuses(tmp_path) -> None:
-    from opus.fusion.fast_decoder import FastDecoder
+    from opus.bench.static_path.fast_decoder import FastDecoder
     from opus.fusion.patterns import rmsnorm_reason
 
     model, _ = load_model({"hf": str(save_hf(make_hf("gemma3"), tmp_path / "g"))})

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from opus.atomic import read_json
 from opus.kv.cache import cache_config_from_recipe, cache_factory
 from opus.models import load_model
-from opus.pipeline.state import apply_state
+from opus.models.saved_state import apply_state
 from opus.runtime.engine import full_logits, generate
 
 LEGACY = Path(__file__).parents[1] / "fixtures" / "legacy"

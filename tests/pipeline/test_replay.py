@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from opus.runtime.choose import run_relative
+from opus.runtime.timed_choice import run_relative
 from tests.bench.project import make_project
 from tests.helpers import run_cli, statuses
 

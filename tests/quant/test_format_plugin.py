@@ -15,7 +15,7 @@ from opus.quant.calibrate import collect_stats
 from opus.quant.formats import FORMATS, ExportMapping, Format, is_quantized, ladder, promote, register, unregister
 from opus.quant.groups import uniform_assignment
 from opus.quant.modules import QuantLinear
-from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
+from opus.quant.plan import PlanRequest, make_plan
 from stages.plan import Config as PlanConfig
 from tests.quant.tiny import blocks, tiny_decoder
 
@@ -101,10 +101,10 @@ def test_the_planner_scores_and_times_it_and_a_plan_may_name_it(w6a16: Format) -
     stats = collect_stats(model, data)
     request = PlanRequest(PlanConfig(formats=["w6a16"]).formats, budget_value=1.0, rounds=2)
     doc, _ = make_plan(model, data, stats, request, WorkloadSpec(batch_size=1, input_len=8, output_len=2))
-    for group in doc["groups"]:
-        assert "w6a16" in group["score"] and "w6a16" in group["time_ms"]
+    for group in doc.groups:
+        assert "w6a16" in group.score and "w6a16" in group.time_ms
     # Chosen only where it beats float (this test kernel is a plain dequantizing matmul): name it by hand.
-    assert set(assignment_from_plan(doc).values()) <= {"w6a16", "fp32"}
-    for group in doc["groups"]:
-        group["format"] = "w6a16"
-    assert set(assignment_from_plan(doc).values()) == {FORMATS["w6a16"].name}
+    assert set(doc.assignment().values()) <= {"w6a16", "fp32"}
+    for group in doc.groups:
+        group.format = "w6a16"
+    assert set(doc.assignment().values()) == {FORMATS["w6a16"].name}

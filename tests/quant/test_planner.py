@@ -8,11 +8,13 @@ import pytest
 import torch
 import yaml
 
+from opus.errors import InputError
 from opus.pipeline.spec import WorkloadSpec
 from opus.quant.calibrate import collect_stats
 from opus.quant.groups import build_groups
 from opus.quant.knapsack import Candidate, GroupChoice, budget_limit, plan_document, solve
-from opus.quant.plan import PlanRequest, assignment_from_plan, make_plan
+from opus.quant.plan import PlanRequest, make_plan
+from opus.quant.plan_file import plan_from_data
 from tests.quant.tiny import blocks, tiny_decoder
 
 
@@ -108,7 +110,7 @@ def test_scoring_a_tied_head_leaves_the_embedding_float() -> None:
 
 @torch.no_grad()
 def test_quantized_tied_head_gets_its_own_copy_and_round_trips() -> None:
-    from opus.pipeline.state import changed_tensors
+    from opus.models.saved_state import changed_tensors
     from opus.quant.apply import quantize_model, rebuild
 
     def tied() -> torch.nn.Module:
@@ -140,34 +142,37 @@ def test_make_plan_on_a_tiny_moe(tmp_path) -> None:  # noqa: ANN001
     request = PlanRequest(["w8a8", "w8a16", "w4a16"], force={"*.mlp.gate": "fp32", "lm_head": "w8a16"},
                           budget_value=0.05)
     doc, decisions = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
-    groups = {g["name"]: g for g in doc["groups"]}
+    groups = {g.name: g for g in doc.groups}
     # Every group's kernel timing is a decision of the shared rule: interleaved rounds and a margin.
     assert sorted(d.what for d in decisions) == sorted(f"kernel formats: {name}" for name in groups)
     assert all(len(v) in (request.rounds, 2 * request.rounds) for d in decisions for v in d.samples.values())
     for d in decisions:  # where budget or rules overrule the group's own pick, its record says so
-        fmt = groups[d.what.removeprefix("kernel formats: ")]["format"]
+        fmt = groups[d.what.removeprefix("kernel formats: ")].format
         assert d.winner == fmt or f"the plan has {fmt}" in d.reason
-    assert all(g["margin"] >= 0.02 for g in doc["groups"])
-    assert groups["model.layers.0.mlp.gate"]["format"] == "fp32"
-    assert groups["lm_head"]["format"] == "w8a16" and groups["lm_head"]["reason"] == "forced to w8a16 by a rule"
+    assert all(g.margin >= 0.02 for g in doc.groups)
+    assert groups["model.layers.0.mlp.gate"].format == "fp32"
+    assert groups["lm_head"].format == "w8a16" and groups["lm_head"].reason == "forced to w8a16 by a rule"
     qkv = groups["model.layers.0.self_attn.qkv"]
-    assert set(qkv["score"]) == {"w8a8", "w8a16", "w4a16"} and all(r for r in qkv["reason"])
+    assert set(qkv.score) == {"w8a8", "w8a16", "w4a16"} and qkv.reason
     # Each group says how its scores were obtained; the sweep says how many units it measured.
-    assert qkv["scored_by"] == "suffix from layer 0, top-64 + target + tail"
-    assert groups["model.layers.1.mlp.experts.down_proj"]["scored_by"].startswith("suffix from layer 1")
-    assert doc["sensitivity"].pop("seconds") > 0
-    assert doc["sensitivity"] == {"method": "suffix", "top_k": 64, "units": 24, "measured": 24, "reused": 0,
-                                  "ran_on": {"this process": 24}}
-    assert doc["predicted"]["ppl_increase"] <= 0.05 * request.safety + 1e-9
+    assert qkv.scored_by == "suffix from layer 0, top-64 + target + tail"
+    assert groups["model.layers.1.mlp.experts.down_proj"].scored_by.startswith("suffix from layer 1")
+    assert doc.sensitivity.pop("seconds") > 0
+    assert doc.sensitivity == {"method": "suffix", "top_k": 64, "units": 24, "measured": 24, "reused": 0,
+                               "ran_on": {"this process": 24}}
+    assert doc.predicted.ppl_increase <= 0.05 * request.safety + 1e-9
     # The document is plain YAML a person can edit, and an edited plan is what gets applied.
-    text = yaml.safe_dump(doc, sort_keys=False)
-    edited = yaml.safe_load(text)
+    edited = yaml.safe_load(doc.to_yaml())
+    assert edited["version"] == 1
     edited["groups"][0]["format"] = "w4a16"
-    assignment = assignment_from_plan(edited)
+    assignment = plan_from_data(edited, "plan.yaml").assignment()
     assert all(assignment[m] == "w4a16" for m in edited["groups"][0]["modules"])
     edited["groups"][0]["format"] = "int3"
-    with pytest.raises(ValueError, match="unknown format 'int3'"):
-        assignment_from_plan(edited)
+    with pytest.raises(InputError, match=r"plan.yaml: groups.0.format: unknown format 'int3'"):
+        plan_from_data(edited, "plan.yaml")
+    edited["groups"][0]["format"], edited["groups"][0]["fromat"] = "w4a16", "w8a8"  # a typo is a key named
+    with pytest.raises(InputError, match=r"plan.yaml: groups.0.fromat: not a field of a plan"):
+        plan_from_data(edited, "plan.yaml")
 
 
 def test_kernel_timing_sees_the_merged_gemms_fusion_will_run() -> None:
@@ -222,7 +227,7 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     model = tiny_decoder("mixtral", outlier=20.0)
     data = blocks(4, 32)
     stats = collect_stats(model, data)
-    from opus.fusion.as_run import fused_and_compiled
+    from opus.fusion.ready_to_time import fused_and_compiled
 
     readied: list[str] = []
 
@@ -234,15 +239,15 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
                           check_prepare=prepare, check_runtime="compiled: fused, static KV cache")
     weights = {n: t.clone() for n, t in model.state_dict().items()}
     doc, decisions = make_plan(model, data, stats, request, WorkloadSpec(batch_size=2, input_len=16, output_len=4))
-    measured = doc["measured"]
+    measured = doc.measured
     contenders = measured["contenders"]
     # Each uniform format was timed, or a note says why not: it is the plan itself, or (on a CPU whose int8
     # GEMMs are slow, such as one without VNNI) its kernels alone took over twice the plan's.
     for fmt in request.formats:
         name = f"uniform {fmt}"
         why_not = (f"{name} is the per-layer plan itself", f"{name} not measured: its kernels alone")
-        assert name in contenders or any(n.startswith(why_not) for n in doc["notes"]), doc["notes"]
-    assert "plan" in contenders and len(contenders) >= 2, doc["notes"]  # something was checked end to end
+        assert name in contenders or any(n.startswith(why_not) for n in doc.notes), doc.notes
+    assert "plan" in contenders and len(contenders) >= 2, doc.notes  # something was checked end to end
     # Every contender was readied to run as the later stages run it (fused, compiled decode steps).
     assert len(readied) == len(contenders) and measured["runtime"] == "compiled: fused, static KV cache"
     check = decisions[-1]
@@ -258,7 +263,7 @@ def test_plan_is_checked_end_to_end_against_uniform_formats() -> None:
     assert measured["kept"] == min(check.tied, key=lambda n: (check.options[n].error, check.options[n].simplicity))
     if measured["kept"] != "plan":  # a uniform format won: the document is that format
         fmt = measured["kept"].split()[-1]
-        assert {g["format"] for g in doc["groups"] if not g["reason"].startswith("forced")} <= {fmt, "fp32"}
+        assert {g.format for g in doc.groups if not g.reason.startswith("forced")} <= {fmt, "fp32"}
     # The contenders were built from copies: the planner's own model is only smoothed, never quantized.
     assert not any(t.dtype == torch.int8 for t in model.state_dict().values())
     assert set(model.state_dict()) == set(weights)
@@ -317,8 +322,8 @@ def test_a_compiled_runtime_plans_a_layers_experts_as_one_group() -> None:
                           compiled_kernels=True)
     doc, _ = make_plan(model, data, collect_stats(model, data), request,
                        WorkloadSpec(batch_size=2, input_len=16, output_len=4))
-    planned = {g["name"]: g["format"] for g in doc["groups"]}
+    planned = {g.name: g.format for g in doc.groups}
     assert {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"} <= set(planned)
-    formats = assignment_from_plan(doc)
+    formats = doc.assignment()
     for layer in (0, 1):  # whatever it chose, one format for all of a layer's experts
         assert len({f for m, f in formats.items() if m.startswith(f"model.layers.{layer}.mlp.experts.")}) == 1

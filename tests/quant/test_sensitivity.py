@@ -77,7 +77,7 @@ def test_a_sweep_stopped_mid_way_measures_only_the_unfinished_units(tmp_path: Pa
 def test_a_reference_whose_top_k_holds_all_the_mass_stays_finite() -> None:
     from torch import nn
 
-    from opus.quant.suffix import reference
+    from opus.quant.suffix_trials import reference
 
     head = nn.Linear(4, 32, bias=False)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from opus.pipeline.state import changed_tensors
+from opus.models.saved_state import changed_tensors
 from opus.quant.apply import quantize_model, rebuild
 from opus.quant.calibrate import ActivationStats, collect_stats
 from opus.quant.smooth import apply_smoothing, smooth_groups
@@ -89,7 +89,7 @@ def test_quantized_model_round_trips_through_recipe_and_tensors() -> None:
 def test_checkpoints_with_the_older_transposed_int8_weight_still_load(tmp_path) -> None:  # noqa: ANN001
     from safetensors.torch import save_file
 
-    from opus.pipeline.state import apply_state
+    from opus.models.saved_state import apply_state
 
     model, data = tiny_decoder("llama"), blocks()
     marks = {n: (t.data_ptr(), t._version) for n, t in model.state_dict(keep_vars=True).items()}

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from opus.pipeline.state import apply_state, changed_tensors
+from opus.models.saved_state import apply_state, changed_tensors, tensor_marks
 from opus.quant.apply import quantize_model
 from opus.quant.tied import SharedInt8Embedding, share_embedding, shared_embedding_step, why_not_shared
 from opus.runtime.metrics import MB, model_mb
@@ -24,15 +24,11 @@ def _tied() -> nn.Module:
     return model.eval()
 
 
-def _marks(model: nn.Module) -> dict[str, tuple[int, int]]:
-    return {n: (t.data_ptr(), t._version) for n, t in model.state_dict(keep_vars=True).items()}
-
-
 @pytest.mark.parametrize("fmt", ["w8a8", "w8a16"])
 @torch.no_grad()
 def test_the_embedding_is_the_int8_head_rows_in_one_table_and_replays(fmt: str) -> None:
     model, data = _tied(), blocks(2, 16)
-    marks = _marks(model)
+    marks = tensor_marks(model)
     step = quantize_model(model, {"lm_head": fmt}, None)
     unshared, before_mb = model(data), model_mb(model)
     assert why_not_shared(model) is None
@@ -97,9 +93,9 @@ def test_the_gguf_has_one_table_in_the_head_format_and_loads_back_tied(tmp_path:
 
 @torch.no_grad()
 def test_the_hugging_face_export_writes_the_table_and_transformers_agrees(tmp_path: Path) -> None:
-    from opus.export.hf import export_hf
+    from opus.export.hf_compressed import export_hf
     from opus.models import load_model
-    from tests.export.test_hf import _settings, _tiny_llama
+    from tests.export.test_hf_compressed import _settings, _tiny_llama
 
     source = _tiny_llama(tmp_path, tie=True)
     model, _ = load_model({"hf": str(source)}, Path("."))

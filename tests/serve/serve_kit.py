@@ -10,8 +10,8 @@ from opus.models.config import ModelConfig
 from opus.models.decoder import DecoderLM
 from opus.runtime.engine import generate
 from opus.serve.blocks import BlockManager
-from opus.serve.engine import Engine, Request
 from opus.serve.kv_blocks import KVBlockPool, PoolShape
+from opus.serve.scheduler import Engine, Request
 
 
 def tiny_decoder(moe: bool = False, seed: int = 0) -> DecoderLM:
@@ -28,12 +28,13 @@ def tiny_decoder(moe: bool = False, seed: int = 0) -> DecoderLM:
 
 def make_engine(model: DecoderLM, *, max_batch: int = 4, num_blocks: int = 64, block_size: int = 4,
                 max_waiting: int = 16, prefix_caching: bool = True, compile_decode: bool = False,
-                prefill_chunk: int = 512) -> Engine:
+                prefill_chunk: int = 512, step_tokens: int = 512) -> Engine:
     cfg = model.config
     shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_blocks, block_size, torch.float32,
                       torch.device("cpu"))
     return Engine(model, KVBlockPool(shape), BlockManager(num_blocks, block_size, prefix_caching), max_batch=max_batch,
                   max_waiting=max_waiting, max_context=cfg.max_position_embeddings, prefill_chunk=prefill_chunk,
+                  step_tokens=step_tokens,
                   compile_decode=compile_decode)
 
 

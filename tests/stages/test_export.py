@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from opus.export.native import ExportSettings, export_model, load_exported
+from opus.export.native import export_model, load_exported
+from opus.export.settings import ExportSettings
 from opus.models import DecoderLM, ModelConfig
 from tests.helpers import pipeline, run_cli, statuses, summary, write_pipeline
 

@@ -10,7 +10,7 @@ from fusion_project import context, make_project
 from opus.fusion import PATTERNS, GroupedMoE
 from opus.pipeline.contracts import Failure
 from opus.pipeline.preflight import undeclared_metrics
-from opus.runtime.choose import run_relative
+from opus.runtime.timed_choice import run_relative
 from stages import fuse
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py

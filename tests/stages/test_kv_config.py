@@ -14,7 +14,7 @@ from opus.models import ModelConfig
 from opus.pipeline.preflight import undeclared_metrics
 from opus.pipeline.spec import load_pipeline
 from opus.pipeline.state import materialize
-from opus.runtime.choose import run_relative
+from opus.runtime.timed_choice import run_relative
 from stages import kv_config
 
 SMALL = {"batch_sizes": [1, 2], "input_len": 6, "output_len": 3, "repeats": 1, "warmup": 0,
@@ -60,7 +60,7 @@ def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_pat
 
 
 def test_a_tie_on_the_request_goes_to_the_shorter_time_to_first_token():
-    from opus.runtime.choose import Option, decide_from
+    from opus.runtime.timed_choice import Option, decide_from
 
     # Equally fast requests (within the noise), but one prefills in 15 ms against 20: that one serves.
     options = [Option("eager prefill", simplicity=2), Option("compiled prefill", simplicity=3)]
@@ -83,7 +83,7 @@ def test_a_tie_on_the_request_goes_to_the_shorter_time_to_first_token():
 
 
 def test_a_prefill_faster_in_every_round_wins_a_tie_that_drift_made():
-    from opus.runtime.choose import Option, decide_from
+    from opus.runtime.timed_choice import Option, decide_from
 
     # The machine slowed down after the second round: every cache's spread, and so the margin, grew wide,
     # yet the compiled prefill was the shorter in every round (as in a K3 demo on a 2-core EPYC).

@@ -21,7 +21,7 @@ from opus.errors import OpusError
 
 @dataclass(frozen=True)
 class ExportMapping:
-    """How exporters name the format: ``opus.export.hf`` and ``opus.export.gguf_mix`` read it.
+    """How exporters name the format: ``opus.export.hf_compressed`` and ``opus.export.gguf_mix`` read it.
 
     ``compressed_tensors``: the scheme of a ``quantization_config`` config group (llm-compressor's
     format), None where the layer is stored dense. ``gguf``: the GGUF tensor type, None where GGUF has
@@ -45,7 +45,7 @@ class Format:
     acts_quantized: bool = False  # activations are quantized too: scored after SmoothQuant by the planner
     smoothquant: bool = False  # apply migrates activation outliers into the weights before quantizing
     cuda_only: bool = False
-    static_path: bool = False  # the static CUDA-graph decoder (opus.gpu) may run it
+    static_path: bool = False  # the static CUDA-graph decoder (opus.bench.static_path) may run it
     export: ExportMapping = field(default_factory=ExportMapping)
 
     @property

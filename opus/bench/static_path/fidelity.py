@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from opus.fusion.static_runner import StaticRunner
+from opus.bench.static_path.runner import StaticRunner
 from opus.kv.cache import GrowingKVCache
 
 

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from opus.export.hf import export_hf
-from opus.export.native import ExportSettings
+from opus.export.hf_compressed import export_hf
+from opus.export.settings import ExportSettings
 from opus.fusion import FusionConfig, fuse_model, lm_probe
 from opus.models import load_model
 from opus.quant.apply import quantize_model

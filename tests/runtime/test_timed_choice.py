@@ -8,7 +8,7 @@ from itertools import count
 
 import pytest
 
-from opus.runtime.choose import (
+from opus.runtime.timed_choice import (
     MIN_MARGIN,
     Option,
     credible,
@@ -133,7 +133,7 @@ def test_record_and_file(tmp_path) -> None:  # noqa: ANN001
 
 
 def test_a_replayed_decision_names_its_source_from_the_run_directory_on() -> None:
-    from opus.runtime.choose import replayed, run_relative
+    from opus.runtime.timed_choice import replayed, run_relative
 
     assert run_relative("/home/u/runs/k3-1/stages/05-kv_config/artifacts/kv_config.json") == \
         "k3-1/stages/05-kv_config/artifacts/kv_config.json"

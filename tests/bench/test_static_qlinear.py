@@ -1,10 +1,10 @@
-"""The static path's linear layers (opus.gpu.qlinear)."""
+"""The static path's linear layers (opus.bench.static_path.qlinear)."""
 
 from __future__ import annotations
 
 import torch
 
-from opus.gpu.qlinear import MinRows, quantize_linear
+from opus.bench.static_path.qlinear import MinRows, quantize_linear
 
 
 def test_min_rows_pads_small_batches() -> None:

@@ -1,9 +1,12 @@
 """Continuous batching: one thread owns the model and runs every request through one loop.
 
 Each step (``Engine.step``): requests that were cancelled or finished free their blocks; waiting
-requests are admitted while KV blocks and batch rows are free; at most one prefill chunk runs (one
-request's next ``prefill_chunk`` prompt tokens, eagerly); then one batched decode step runs for
-every request past its prompt, padded to a batch bucket (1, 2, 4, ... up to ``max_batch``) so the
+requests are admitted while KV blocks and batch rows are free; then the step's token budget
+(``step_tokens``, as vLLM's ``max_num_batched_tokens``) is spent: one token for each request past its
+prompt (decode first, so a running request never waits behind a long prompt), the rest on prompt chunks
+of the requests still prefilling, first come first served, at most ``prefill_chunk`` tokens of one
+request per step. Chunks of equal length run as one batched forward; then one batched decode step runs
+for every request past its prompt, padded to a batch bucket (1, 2, 4, ... up to ``max_batch``) so the
 compiled graph of that bucket serves it (``opus.serve.steps``). Tokens go back through each request's
 ``emit`` callback from the engine thread.
 """
@@ -21,7 +24,7 @@ from torch import nn
 
 from opus.runtime.engine import Sampling, select_next
 from opus.serve.blocks import Allocation, BlockManager, OutOfBlocks
-from opus.serve.kv_blocks import KVBlockPool, PagedView, slots_of
+from opus.serve.kv_blocks import SCRATCH_BLOCK, KVBlockPool, PagedView, slots_of
 from opus.serve.steps import DecodeSteps
 
 # (token or None, finish reason or None): a token, then one call with the reason when the request ends.
@@ -67,10 +70,14 @@ class Stats:
 
 class Engine:
     def __init__(self, model: nn.Module, pool: KVBlockPool, blocks: BlockManager, *, max_batch: int,
-                 max_waiting: int, max_context: int, prefill_chunk: int = 512, compile_decode: bool = True) -> None:
+                 max_waiting: int, max_context: int, prefill_chunk: int = 512, step_tokens: int = 512,
+                 compile_decode: bool = True) -> None:
+        if step_tokens <= max_batch:
+            raise ValueError(f"step_tokens ({step_tokens}) must exceed max_batch ({max_batch}): a full batch's "
+                             "decode step would leave no token for any prompt")
         self.model, self.pool, self.blocks = model, pool, blocks
         self.max_batch, self.max_waiting, self.max_context = max_batch, max_waiting, max_context
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.step_tokens = prefill_chunk, step_tokens
         self.steps = DecodeSteps(model, pool, max_batch, compile_decode)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -148,13 +155,24 @@ class Engine:
     def step(self) -> None:
         self._reap()
         self._admit()
-        pending = [r for r in self.running if not r.prefilled]
-        if pending:
-            self._prefill(pending[0])
+        ready = [r for r in self.running if r.prefilled]
+        self._prefill(self._prompt_chunks(self.step_tokens - min(len(ready), self.max_batch)))
         ready = [r for r in self.running if r.prefilled and r.finish_reason is None and not r.cancelled]
         for start in range(0, len(ready), self.max_batch):
             self._decode(ready[start:start + self.max_batch])
         self._reap()
+
+    def _prompt_chunks(self, budget: int) -> list[tuple[Request, int, int]]:
+        """(request, start, end) prompt chunks for this step: first come first served within ``budget``."""
+        chunks = []
+        for request in self.running:
+            if budget <= 0:
+                break
+            if not request.prefilled:
+                end = min(len(request.prompt), request.computed + self.prefill_chunk, request.computed + budget)
+                chunks.append((request, request.computed, end))
+                budget -= end - request.computed
+        return chunks
 
     def _reap(self) -> None:
         with self._wake:
@@ -181,19 +199,32 @@ class Engine:
                 self.running.append(request)
                 self.stats.prompt_tokens += len(request.prompt)
 
-    def _prefill(self, request: Request) -> None:
-        assert request.allocation is not None
-        start, end = request.computed, min(len(request.prompt), request.computed + self.prefill_chunk)
+    def _prefill(self, chunks: list[tuple[Request, int, int]]) -> None:
+        """Each group of equally long chunks as one forward; a request whose prompt is done gets its first token."""
+        by_length: dict[int, list[tuple[Request, int, int]]] = {}
+        for chunk in chunks:
+            by_length.setdefault(chunk[2] - chunk[1], []).append(chunk)
         size = self.blocks.block_size
-        blocks = request.allocation.blocks
-        write, read = slots_of(blocks, start, end, size), slots_of(blocks, 0, end, size)
-        view = PagedView(self.pool.k, self.pool.v, torch.arange(start, end)[None, :], torch.tensor(write),
-                         torch.tensor([read]))
-        logits = self.model(torch.tensor([request.prompt[start:end]]), cache=view, last_only=True)
-        request.computed = end
-        if request.prefilled:
-            self.blocks.publish(request.allocation, request.prompt)
-            self._accept(request, logits[:, -1])
+        for group in by_length.values():
+            keys = max(end for _, _, end in group)
+            write, read, positions, ids = [], [], [], []
+            for request, start, end in group:
+                assert request.allocation is not None
+                blocks = request.allocation.blocks
+                write += slots_of(blocks, start, end, size)
+                # Rows read keys up to the longest row's end; the scratch block pads the shorter ones (masked:
+                # a padded key sits beyond every position of its row).
+                read.append(slots_of(blocks, 0, end, size) + [SCRATCH_BLOCK * size] * (keys - end))
+                positions.append(list(range(start, end)))
+                ids.append(request.prompt[start:end])
+            view = PagedView(self.pool.k, self.pool.v, torch.tensor(positions), torch.tensor(write),
+                             torch.tensor(read))
+            logits = self.model(torch.tensor(ids), cache=view, last_only=True)
+            for row, (request, _start, end) in enumerate(group):
+                request.computed = end
+                if request.prefilled:
+                    self.blocks.publish(request.allocation, request.prompt)
+                    self._accept(request, logits[row:row + 1, -1])
 
     def _decode(self, batch: list[Request]) -> None:
         tokens = [r.generated[-1] for r in batch]

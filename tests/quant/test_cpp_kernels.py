@@ -1,4 +1,4 @@
-"""The packed GEMM ops' C++ kernels (opus.quant.native): exact, Python-free in compiled graphs, twins
+"""The packed GEMM ops' C++ kernels (opus.quant.cpp_kernels): exact, Python-free in compiled graphs, twins
 dropped with their weights, and the Python kernels where they are not built."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from opus import cpp_build
-from opus.quant import native, packed
+from opus.quant import cpp_kernels, packed
 from opus.quant.fbgemm import FBGEMM
 from opus.quant.onednn import ONEDNN
 from tests.native_kit import built_or_skip
@@ -26,7 +26,7 @@ KERNELS = [pytest.param(kernel, id=kernel.name,
 
 @pytest.fixture
 def built() -> None:
-    built_or_skip(native.load, "the C++ kernels")
+    built_or_skip(cpp_kernels.load, "the C++ kernels")
 
 
 @pytest.mark.usefixtures("built")
@@ -65,14 +65,14 @@ def test_the_cpp_table_drops_a_twin_with_its_weight(kernel: packed.PackedKernel)
 
 def test_without_the_cpp_kernels_the_python_ones_serve() -> None:
     code = ("import torch\n"
-            "from opus.quant import native, packed\n"
+            "from opus.quant import cpp_kernels, packed\n"
             "from opus.quant.fbgemm import FBGEMM\n"
             "qweight = torch.randint(-127, 128, (48, 64), dtype=torch.int8); scale = torch.rand(48) + 0.5\n"
             "q = torch.randint(-127, 128, (3, 64), dtype=torch.int8)\n"
             "with packed.use('fbgemm'):\n"
             "    got = FBGEMM.linear(q, qweight, scale)\n"
             "assert torch.equal(got, torch._int_mm(q, qweight.t()).float() * scale)\n"
-            "print(native.load())\n")
+            "print(cpp_kernels.load())\n")
     if FBGEMM.available() is not None:
         pytest.skip(str(FBGEMM.available()))
     env = {**os.environ, "OPUS_NATIVE_OPS": "0"}
@@ -85,11 +85,11 @@ def test_without_the_cpp_kernels_the_python_ones_serve() -> None:
 def test_a_build_says_so_before_and_after_and_a_cached_one_says_nothing(monkeypatch: pytest.MonkeyPatch,
                                                                         capsys: pytest.CaptureFixture) -> None:
     """The first build takes ~30 s: a person sees why the run is quiet, and where the build goes."""
-    name = cpp_build.library_name(native.NAME)
+    name = cpp_build.library_name(cpp_kernels.NAME)
     assert cpp_build.is_built(name)  # the fixture's build is cached where is_built looks
-    assert native._build() is None and capsys.readouterr().err == ""  # cached: loaded without a word
+    assert cpp_kernels._build() is None and capsys.readouterr().err == ""  # cached: loaded without a word
     monkeypatch.setattr(cpp_build, "is_built", lambda _name: False)
-    assert native._build() is None  # load_inline finds the build itself; the lines are what is checked
+    assert cpp_kernels._build() is None  # load_inline finds the build itself; the lines are what is checked
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "building the C++ kernels of the packed" in lines[0] and name in lines[0]
     assert lines[1].startswith("opus: built the C++ kernels of the packed int8 GEMMs in ")

@@ -20,9 +20,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opus.bench.static_path.qlinear import (
+    format_of,
+    fuse_linears,
+    group_size_for,
+    module_bytes,
+    quant_reason,
+    quantize_linear,
+)
 from opus.fusion.linear_ops import StackedQuantLinear
 from opus.fusion.moe import GroupedMoE, group_moe, grouped_moe
-from opus.gpu.qlinear import format_of, fuse_linears, group_size_for, module_bytes, quant_reason, quantize_linear
 from opus.kv.cuda_graph import SlotKVBuffers
 from opus.models.decoder import DecoderLM, SparseMoE, apply_rope
 from opus.models.layout import DECODER

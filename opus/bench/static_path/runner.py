@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from opus.fusion.fast_decoder import FastDecoder
+from opus.bench.static_path.fast_decoder import FastDecoder
 from opus.fusion.moe import EXPERT_MODES
 from opus.models.decoder import DecoderLM
 from opus.runtime.engine import GenerationResult

@@ -1,4 +1,4 @@
-"""The static-shape path (opus.fusion.static_runner) computes what opus.runtime.engine computes.
+"""The static-shape path (opus.bench.static_path.runner) computes what opus.runtime.engine computes.
 
 CPU, fp32, no graph capture: the step functions the CUDA graphs capture run eagerly here, so equal
 greedy tokens and logits prove the captured code's arithmetic. CUDA-only checks skip without a GPU.
@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opus.fusion.fast_decoder import FastDecoder
+from opus.bench.static_path.fast_decoder import FastDecoder
+from opus.bench.static_path.qlinear import quant_reason, quantize_linear
+from opus.bench.static_path.runner import StaticRunner
 from opus.fusion.moe import EXPERT_MODES, group_moe
-from opus.fusion.static_runner import StaticRunner
-from opus.gpu.qlinear import quant_reason, quantize_linear
 from opus.kv.cache import GrowingKVCache
 from opus.models import DecoderLM, ModelConfig
 from opus.runtime.engine import generate

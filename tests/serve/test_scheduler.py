@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
-from opus.serve.engine import QueueFull, TooLong
+from opus.serve.scheduler import QueueFull, TooLong
 from tests.serve.serve_kit import Collector, make_engine, reference, tiny_decoder
 
 PROMPTS = [[5, 17, 3, 44, 9], [1, 2, 3], [70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80], [8], [5, 17, 3, 44, 9, 60, 61]]
@@ -36,6 +37,46 @@ def test_requests_batched_at_different_positions_get_what_they_would_alone(moe: 
         assert got.tokens[index] == reference(model, prompt, 12), index
         assert got.reasons[index] == "length"
     assert engine.blocks.used == 0, "every block went back (cached prefixes are evictable, not used)"
+
+
+def _step(engine, model) -> list[tuple[int, int]]:
+    """One engine step run by hand: its forwards as (rows, tokens), in order."""
+    shapes: list[tuple[int, int]] = []
+    hook = model.register_forward_pre_hook(lambda _m, args, _kw: shapes.append(tuple(args[0].shape)),
+                                           with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            engine.step()
+    finally:
+        hook.remove()
+    return shapes
+
+
+def test_each_step_spends_a_token_budget_decode_first_and_equal_chunks_run_as_one_forward() -> None:
+    """Two 8-token prompts in chunks of 4 run as one [2, 4] forward a step; a 20-token prompt that arrives
+    while two requests decode gets what the two decode rows leave of the 8-token budget (6, 6, 6, 2), a
+    decode step after each chunk; and every request still gets exactly what it would alone."""
+    model = tiny_decoder()
+    engine = make_engine(model, max_batch=4, prefill_chunk=4, step_tokens=8)
+    first, late = [[11, 12, 13, 14, 15, 16, 17, 18], [21, 22, 23, 24, 25, 26, 27, 28]], list(range(40, 60))
+    collect = Collector(3)
+    for index, prompt in enumerate(first):
+        engine.submit(collect.request(index, prompt, 9))
+    assert _step(engine, model) == [(2, 4)]  # both prompts' first chunks in one forward
+    assert _step(engine, model) == [(2, 4), (2, 1)]  # their last chunks, then both decoded together
+    engine.prefill_chunk = 8
+    engine.submit(collect.request(2, late, 4))
+    steps = [_step(engine, model) for _ in range(4)]
+    assert steps == [[(1, 6), (2, 1)], [(1, 6), (2, 1)], [(1, 6), (2, 1)], [(1, 2), (4, 1)]]  # 3 rows: bucket 4
+    while len(collect.reasons) < 3:
+        _step(engine, model)
+    assert collect.tokens[0] == reference(model, first[0], 9) and collect.tokens[1] == reference(model, first[1], 9)
+    assert collect.tokens[2] == reference(model, late, 4)
+
+
+def test_a_step_budget_no_larger_than_the_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"step_tokens \(4\) must exceed max_batch \(4\)"):
+        make_engine(tiny_decoder(), max_batch=4, step_tokens=4)
 
 
 def test_a_shared_prompt_prefix_is_read_from_the_prefix_cache() -> None:

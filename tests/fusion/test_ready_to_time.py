@@ -1,4 +1,4 @@
-"""A model readied as the fuse and kv_config stages run it (opus.fusion.as_run): fused, quantized experts
+"""A model readied as the fuse and kv_config stages run it (opus.fusion.ready_to_time): fused, quantized experts
 compiled at prefill, decode steps compiled in the static cache; and it still computes the same tokens."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from fusion_kit import prompts, tiny_lm
 
-from opus.fusion.as_run import fused_and_compiled
 from opus.fusion.moe import grouped_moes
+from opus.fusion.ready_to_time import fused_and_compiled
 from opus.kv.static import CompiledStaticKVCache
 from opus.quant.apply import quantize_model
 from opus.quant.calibrate import collect_stats

@@ -273,7 +273,7 @@ def compare_in_transformers(model: nn.Module, out: Path, texts: list[torch.Tenso
 
 
 def export_hf(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir: Path, settings: Any) -> TargetOutcome:
-    from opus.export.native import make_prompts, one_line, vocab_size
+    from opus.export.settings import make_prompts, one_line, vocab_size
 
     source_dir = _source_dir(settings.source, settings.base_dir)
     config = _config(model, source_dir)
