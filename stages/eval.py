@@ -86,6 +86,11 @@ def preflight(cfg: Config, spec: Any, base_dir: Any = None) -> list[tuple[tuple[
     return problems
 
 
+def _task_units(cfg: Config) -> int:
+    """A task side's share of the stage's progress: its samples (a task without a limit counted as 100)."""
+    return cfg.task_limit or 100
+
+
 def _tasks(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]:
     """Each task on the candidate, then on the unmodified model, over the same samples."""
     from opus.harness.compare import compare_scores, run_tasks, task_manager
@@ -103,11 +108,18 @@ def _tasks(ctx: StageContext, cfg: Config, measured: Measured) -> dict[str, Any]
              "unmodified": OpusLM.of(base_model, tokenizer or loaded.tokenizer, cache_factory(base_model),
                                      cfg.task_batch_size)}
     for entry, name in zip(entries, cfg.tasks):
-        for side, lm in sides.items():  # task by task: the progress names each, and beats per forward batch
+        for side, lm in sides.items():  # task by task: the progress names each and counts its samples
             what = f"task {entry['task'] if isinstance(entry, dict) else name} ({side})"
-            lm.heartbeat = lambda what=what: measured.progress.advance(0, what)
+            beats = [0]  # a beat per shared-prefix sample, forward batch or generation batch: about a sample
+
+            def beat(what: str = what, beats: list[int] = beats) -> None:
+                step = 1 if beats[0] < _task_units(cfg) else 0
+                beats[0] += step
+                measured.progress.advance(step, what)
+
+            lm.heartbeat = beat
             scores[side].update(run_tasks(lm, [entry], cfg.task_limit, manager=manager))
-            measured.progress.advance(1, what)
+            measured.progress.advance(_task_units(cfg) - beats[0], what)
     metrics = compare_scores(scores["unmodified"], scores["candidate"])
     for key, value in metrics.items():
         if isinstance(value, (int, float)) and not key.endswith("_base"):
@@ -232,7 +244,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     tasks = bool(cfg.tasks) and baseline is not None
     if cfg.tasks and baseline is None:
         ctx.log("no baseline stage upstream: tasks skipped")
-    extra += 2 * len(cfg.tasks) if tasks else 0
+    extra += 2 * len(cfg.tasks) * _task_units(cfg) if tasks else 0
     measured = measure_incoming(ctx, cfg, extra_units=extra)
     if reference is not None and baseline is not None:
         measured.metrics.update(compare_to_reference(measured.loaded.model, reference, measured.factory,

@@ -10,8 +10,10 @@ which greedy decoding does not need, are not in the figures.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import io
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +97,10 @@ def hf(ctx: BenchContext) -> Built:
     hf_logging.disable_progress_bar()  # the bench's own display owns the terminal
     try:
         # local_files_only: the bench never reaches a model hub, whatever HF_HUB_OFFLINE says.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
+        # transformers' GGUF loader draws its own tqdm bar (not its logging's, which is off): through the
+        # bench's display it is a second, broken progress line.
+        with contextlib.redirect_stderr(io.StringIO()) if "gguf_file" in extra else contextlib.nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
     except (ValueError, KeyError, OSError) as exc:  # e.g. an architecture this transformers does not know
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise Unavailable(f"transformers {transformers.__version__} cannot load {path}: {first}") from None

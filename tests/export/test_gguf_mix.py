@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from opus.export.gguf_mix import FALLBACK, FILE, QUANTIZING, export_gguf, stored_type  # noqa: E402
 from opus.export.gguf_q4k import quantize_q4_k  # noqa: E402
-from opus.export.native import ExportSettings  # noqa: E402
+from opus.export.settings import ExportSettings  # noqa: E402
 from opus.export.unfused import layers  # noqa: E402
 from opus.models import DecoderLM, ModelConfig, load_model  # noqa: E402
 from opus.models.layout import FAMILY_TABLE  # noqa: E402
@@ -76,6 +76,25 @@ def _optimized(family: str, fused: bool) -> tuple[DecoderLM, nn.Module]:
 
 def _settings() -> ExportSettings:
     return ExportSettings(source={"hf": str(K3)}, base_dir=Path("."))
+
+def _llama(path: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: object):  # noqa: ANN202 - a llama_cpp.Llama
+    """llama.cpp's model on ``path``, as llama-server's --no-repack where its defaults crash here (its weight
+    repacking for AMX segfaults on some Xeons: opus.bench.llamacpp.defaults_run, tried in a child process)."""
+    import llama_cpp
+
+    from opus.bench.llamacpp import defaults_run
+
+    if not defaults_run(path):
+        default = llama_cpp.llama_cpp.llama_model_default_params
+
+        def no_repack():  # noqa: ANN202
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        monkeypatch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", no_repack)
+    return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
+
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +224,8 @@ def test_a_tied_lm_head_quantized_on_its_own_is_written_as_output(k3_tokenizer, 
 
 @pytest.mark.parametrize("family", [f.name for f in FAMILY_TABLE if f.gguf_arch])
 @torch.no_grad()
-def test_every_family_with_a_llama_cpp_architecture_round_trips(k3_tokenizer, tmp_path: Path, family: str) -> None:  # noqa: ANN001
+def test_every_family_with_a_llama_cpp_architecture_round_trips(k3_tokenizer, tmp_path: Path, family: str,  # noqa: ANN001
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A float model of each family (biases, q/k norms, shared experts, permuted q/k) comes back exactly
     through Opus's GGUF loader, and — when installed — llama.cpp computes its logits."""
     from opus.models.layout import family as family_of
@@ -227,8 +247,8 @@ def test_every_family_with_a_llama_cpp_architecture_round_trips(k3_tokenizer, tm
     want = model(torch.tensor([ids]))[0]
     loaded, _ = load_model({"gguf": str(tmp_path / FILE)})
     assert torch.equal(loaded(torch.tensor([ids]))[0], want)
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    llm = llama_cpp.Llama(model_path=str(tmp_path / FILE), n_ctx=64, logits_all=True, verbose=False)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    llm = _llama(tmp_path / FILE, monkeypatch, n_ctx=64, logits_all=True)
     try:
         llm.eval(ids)
         got = torch.from_numpy(np.asarray(llm.scores[: len(ids)]))
@@ -284,10 +304,10 @@ def test_a_model_it_cannot_write_is_not_exported_with_the_reason(k3_tokenizer, t
 
 
 @torch.no_grad()
-def test_llama_cpp_runs_the_k3_demo_model_with_a_mixed_plan(tmp_path: Path) -> None:
+def test_llama_cpp_runs_the_k3_demo_model_with_a_mixed_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """K3 with W8A8 attention and W4A16 experts (Q8_0, Q4_K and Q5_0 tensors) runs in llama.cpp: its
     tokenizer gives the HF ids, its logits pick Opus's next tokens, its greedy text is Opus's."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install "
                                     "'opus[llama]' builds llama.cpp, ~5 min); CI has no llama.cpp")
     from opus.quant.apply import quantize_model
     from opus.quant.calibrate import collect_stats
@@ -301,7 +321,7 @@ def test_llama_cpp_runs_the_k3_demo_model_with_a_mixed_plan(tmp_path: Path) -> N
     outcome = export_gguf(model, tokenizer, {"recipe": []}, tmp_path, _settings())
     assert outcome.exported, outcome.reason
     assert set(outcome.info["tensor_types"]) == {"Q8_0", "Q4_K", "Q5_0", "F32"}
-    llm = llama_cpp.Llama(model_path=str(tmp_path / FILE), n_ctx=256, n_threads=2, logits_all=True, verbose=False)
+    llm = _llama(tmp_path / FILE, monkeypatch, n_ctx=256, n_threads=2, logits_all=True)
     try:
         prompt = "def main():\n    import os\n"
         ids = tokenizer.encode(prompt)
@@ -322,7 +342,8 @@ def test_llama_cpp_runs_the_k3_demo_model_with_a_mixed_plan(tmp_path: Path) -> N
     assert same >= 0.75 * len(want), (text, tokenizer.decode(want))
 
 
-def test_a_sentencepiece_style_tokenizer_is_written_as_llama_vocabulary(tmp_path: Path) -> None:
+def test_a_sentencepiece_style_tokenizer_is_written_as_llama_vocabulary(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A BPE with byte fallback (Llama 2 / Mistral style) is tokenizer.ggml.model 'llama' with scores from
     its merge order: transformers (and llama.cpp, when installed) give the source's ids, bytes included."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
@@ -344,8 +365,8 @@ def test_a_sentencepiece_style_tokenizer_is_written_as_llama_vocabulary(tmp_path
     vocab = outcome.info["tokenizer"]
     assert (vocab["model"], vocab["padding"], vocab["roundtrip"]) == ("llama", 68, "same ids as the source tokenizer")
     texts = [*TEXTS, "caf\u00e9 \u2603"]  # the snowman is not in the vocabulary: byte fallback
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    llm = llama_cpp.Llama(model_path=str(tmp_path / FILE), n_ctx=64, verbose=False)
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    llm = _llama(tmp_path / FILE, monkeypatch, n_ctx=64)
     try:
         for text in texts:
             assert llm.tokenize(text.encode(), add_bos=True, special=False) == source.encode(text), text
