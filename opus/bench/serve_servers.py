@@ -45,16 +45,37 @@ def llamacpp_server(gguf: Path, threads: int, n_ctx: int, log_dir: Path) -> Serv
     logits, which only logprobs need and which would slow its prefill for nothing). It runs one request
     at a time; ``interrupt_requests`` (on by default) would end the running stream early whenever
     another request waits, so under concurrent clients it is turned off: requests queue instead."""
+    from opus.bench.llamacpp import defaults_run
+
     port = free_port()
     eog = eog_tokens(gguf)
     flags = ["--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
              "--logits_all", "false", "--interrupt_requests", "false", "--verbose", "false"]
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-               "--port", str(port), *flags]
-    note = (f"llama_cpp.server {' '.join(flags)}; fixed output lengths: logit_bias {EOG_BIAS:g} on its {len(eog)} "
-            f"end-of-generation token(s) {eog[:8]}")
+    notes = [f"llama_cpp.server {' '.join(flags)}; fixed output lengths: logit_bias {EOG_BIAS:g} on its {len(eog)} "
+             f"end-of-generation token(s) {eog[:8]}"]
+    launch = ["-m", "llama_cpp.server"]
+    if not defaults_run(gguf):  # its server has no --no-repack: the same setting, made in its own process
+        launch = ["-c", NO_REPACK_SERVER]
+        notes.append("llama.cpp crashed at its default model parameters on this file here (its weight repacking "
+                     "for the CPU's matrix units, tried in a child process): served with use_extra_bufts off, as "
+                     "llama-server's --no-repack")
+    command = [sys.executable, *launch, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), *flags]
     return Server("llama.cpp", command, port, "/v1/models", log_dir / "llama-server.log",
-                  {"logit_bias": {str(t): EOG_BIAS for t in eog}}, [note], count_path="/extras/tokenize/count")
+                  {"logit_bias": {str(t): EOG_BIAS for t in eog}}, notes, count_path="/extras/tokenize/count")
+
+
+# llama-cpp-python's server with every model loaded as llama-server's --no-repack loads it.
+NO_REPACK_SERVER = """
+import runpy
+import llama_cpp.llama_cpp as api
+default = api.llama_model_default_params
+def no_repack():
+    params = default()
+    params.use_extra_bufts = False
+    return params
+api.llama_model_default_params = no_repack
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
 
 
 LLAMA_SERVER = "llama-server"

@@ -70,7 +70,9 @@ def add_parsers(sub: Any) -> None:
     serve.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary (default: on the PATH, "
                                                          "else the one `make llama-server` builds; none: "
                                                          "llama-cpp-python's server, one request at a time)")
-    serve.add_argument("--ready-timeout", type=float, default=300.0, help="seconds a server may take to start")
+    serve.add_argument("--ready-timeout", type=float, default=900.0,
+                       help="seconds a server may take to start (default 900: opus serve compiles a decode step "
+                            "per batch bucket first, on a 30-layer model about a minute each)")
 
 
 def _levels(text: str) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from typing import Any
 
 from opus.errors import OpusError
 
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 900.0  # opus serve compiles a decode step per batch bucket before it is ready
 STOP_TIMEOUT_S = 15.0
 LOG_TAIL_LINES = 15
 

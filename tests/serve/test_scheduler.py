@@ -177,3 +177,11 @@ def test_compiled_decode_steps_give_the_eager_tokens() -> None:
         # Warmed up, serving compiles nothing more: every key count and batch in its bucket's graph.
         assert counters["stats"]["unique_graphs"] == graphs
     assert results[True] == results[False]
+
+
+def test_opus_serve_refuses_a_step_budget_no_larger_than_its_batch_in_one_line(tmp_path, capsys) -> None:  # noqa: ANN001
+    from opus.cli.main import main
+
+    assert main(["serve", str(tmp_path), "--max-batch", "8", "--step-tokens", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--step-tokens must exceed --max-batch (8)" in err[0]
