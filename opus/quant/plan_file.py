@@ -7,6 +7,7 @@ the benches. A hand-edited plan with a typo or an unknown format is one line nam
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,10 +71,7 @@ class PlanDocument(_Part):
         return {module: group.format for group in self.groups for module in group.modules}
 
     def format_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for group in self.groups:
-            counts[group.format] = counts.get(group.format, 0) + 1
-        return counts
+        return dict(Counter(group.format for group in self.groups))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=True), sort_keys=False, width=120)
@@ -86,7 +84,9 @@ def plan_from_data(data: Any, file: str | None = None) -> PlanDocument:
     try:
         return PlanDocument.model_validate(data)
     except ValidationError as exc:
-        error = exc.errors()[0]
+        errors = exc.errors()
+        # A misspelt key is also a missing one: name the misspelling, which is what the person typed.
+        error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
         key = ".".join(str(p) for p in error["loc"]) or None
         message = str(error["msg"]).removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
@@ -96,7 +96,7 @@ def plan_from_data(data: Any, file: str | None = None) -> PlanDocument:
 
 def read_plan(path: Path) -> PlanDocument:
     if not path.is_file():
-        raise InputError("plan file not found", file=str(path))
+        raise InputError("not a regular file" if path.exists() else "plan file not found", file=str(path))
     try:
         data = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
