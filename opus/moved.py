@@ -34,7 +34,7 @@ OLD_TO_NEW = {
     "opus.preflight": "opus.pipeline.preflight",
     "opus.preflight_model": "opus.pipeline.preflight_model",
     "opus.replay": "opus.pipeline.replay",
-    "opus.console": "opus.pipeline.console",
+    "opus.console": "opus.cli.run_display",
     "opus.run_progress": "opus.pipeline.progress",
     "opus.transforms": "opus.recipe",
     "opus.engine": "opus.runtime.engine",

@@ -12,7 +12,8 @@ from opus.pipeline.code_reach import imports_of
 ROOMS = ["opus.errors", "opus.atomic", "opus.trust", "opus.moved", "opus.recipe", "opus.cpp_build",
          "opus.compile_watch", "opus.models", "opus.kv",
          "opus.runtime", "opus.cluster", "opus.quant", "opus.fusion", "opus.pipeline", "opus.export",
-         "opus.made", "opus.harness", "opus.report", "opus.bench", "opus.serve", "opus.cli", "opus.api"]
+         "opus.made", "opus.harness", "opus.terminal", "opus.report", "opus.bench", "opus.serve", "opus.cli",
+         "opus.api"]
 SAME_LEVEL = {"opus.report": 0, "opus.bench": 0}  # neither imports the other
 
 
@@ -115,3 +116,22 @@ def test_the_yaml_error_line_is_written_once() -> None:
 
     sources = inspect.getsource(graph) + inspect.getsource(spec)
     assert sources.count('"extra_forbidden"') == 1
+
+
+def test_the_run_engine_draws_nothing_and_prints_nothing() -> None:
+    """The runner tells observers (opus.pipeline.events.RunObserver); the terminal's bars and lines are
+    opus.cli.run_display's, progress.json is the engine's ProgressFile. Only a stage's own log line
+    (the worker's context) writes to stderr, which the runner's supervisor captures."""
+    import ast
+
+    drawing, printing = [], []
+    for m in pkgutil.walk_packages(opus.__path__, "opus."):
+        if not m.name.startswith("opus.pipeline"):
+            continue
+        drawing += [f"{m.name} -> {i}" for i in imports_of(m.name)
+                    if i == "rich" or i.startswith(("rich.", "opus.terminal"))]
+        tree = ast.parse(_source(m.name).read_text())
+        printing += [f"{m.name}:{node.lineno}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
+                     and m.name != "opus.pipeline.context"]
+    assert drawing == [] and printing == []

@@ -14,8 +14,9 @@ from rich.table import Column
 from rich.text import Text
 
 from opus.bench.core import Row
-from opus.pipeline.console import WIDE_COLUMNS, Ticker, headline, is_live, progress_interval_s
-from opus.pipeline.progress import format_count, format_duration
+from opus.pipeline.progress import Ticker, format_count, format_duration
+from opus.pipeline.summary import headline
+from opus.terminal import WIDE_COLUMNS, is_live, progress_interval_s
 
 
 class BenchDisplay:

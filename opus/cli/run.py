@@ -48,13 +48,14 @@ def execute(loaded: Any, run_dir: Path, quiet: bool, commit: bool = False) -> di
     whose status says so. ``opus.run`` (the Python API) is this too.
     """
     from opus.cli.history import finish_run
-    from opus.pipeline.console import RunDisplay
+    from opus.cli.run_display import RunDisplay
     from opus.pipeline.runner import Runner
 
-    runner = Runner(loaded, run_dir, RunDisplay(quiet=quiet))  # validates before anything runs
+    display = RunDisplay(quiet=quiet)
+    runner = Runner(loaded, run_dir, display)  # validates before anything runs
     _preflight(loaded, runner.types)  # nothing is written before this passes
-    with runner.display:
-        runner.display.line(f"run {run_dir}  ({loaded.spec.name}, {len(loaded.spec.stages)} stages)")
+    with display:
+        display.line(f"run {run_dir}  ({loaded.spec.name}, {len(loaded.spec.stages)} stages)")
         summary = runner.run()
     _print_outcome(summary, run_dir)
     finish_run(run_dir, summary, commit=commit or loaded.spec.run.track == "git")  # only ever warns
@@ -87,7 +88,7 @@ def _preflight(loaded: Any, types: Any) -> None:
 
 
 def _print_outcome(summary: dict[str, Any], run_dir: Path) -> None:
-    from opus.pipeline.console import headline
+    from opus.pipeline.summary import headline
 
     print(f"{summary['status']}: {run_dir / 'summary.json'}")
     for reason in summary.get("reasons") or []:
@@ -146,9 +147,18 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from opus.pipeline.verify import print_verification
+    """Exit 0 when a resume would redo nothing and the summary agrees, 3 otherwise."""
+    from opus.pipeline.verify import verify_run
 
-    return print_verification(args.run_dir)
+    plan, stale = verify_run(args.run_dir)
+    for entry in plan:
+        print(f"{entry['stage']:<20} {entry['action']:<10} {entry['why']}")
+    for line in stale:
+        print(f"warning: {line}")
+    redo = [p["stage"] for p in plan if p["action"] != "reuse"]
+    print(f"{args.run_dir}: " + (f"a resume would redo {', '.join(redo)}" if redo
+                                 else "every checkpoint verifies; a resume would redo nothing"))
+    return EXIT_OK if not redo and not stale else EXIT_RUN_FAILED
 
 
 def cmd_check(args: argparse.Namespace) -> int:

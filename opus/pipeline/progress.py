@@ -1,24 +1,51 @@
 """Where a running pipeline stands: per-stage progress, ETAs, and the run's progress.json.
 
-No rich here: ``opus status`` reads progress.json and formats it with the same helpers, without
-importing the display. ETAs come only from measured rates and measured durations; where nothing
-has been measured yet they are ``None`` (shown as ``?``), never a guess.
+The engine's side of progress: ``ProgressFile`` is the observer the runner always has, whatever shows
+the run (a terminal, a log, nothing for the Python API); it keeps run_dir/progress.json for ``opus
+status``. No rich here: the displays (opus.cli.run_display, opus.bench.display) format with the same
+helpers. ETAs come only from measured rates and measured durations; where nothing has been measured
+yet they are ``None`` (shown as ``?``), never a guess.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from opus.atomic import write_json
+from opus.pipeline.events import Unobserved
 
 PROGRESS_FILE = "progress.json"
 # progress.json is rewritten on every stage start/finish and at most this often in between: each
 # write fsyncs, and `opus status` needs seconds of freshness, not milliseconds.
 PROGRESS_FILE_INTERVAL_S = 2.0
+
+
+class Ticker:
+    """Calls ``tick`` every ``period_s`` on a daemon thread until stopped: progress.json and a log's
+    lines must come even while a stage sends no message (a long phase)."""
+
+    def __init__(self, period_s: float, tick: Callable[[], None]) -> None:
+        self.period_s, self.tick = period_s, tick
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="opus-progress", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.tick()
 
 
 def format_duration(seconds: float | None) -> str:
@@ -114,18 +141,24 @@ class RunProgress:
 
     def __init__(self) -> None:
         self.order: list[str] | None = None  # unknown until begin(): then the run's ETA stays "?"
-        self.run_dir: Path | None = None
         self.running: dict[str, StageProgress] = {}
         self.finished: dict[str, dict[str, Any]] = {}
-        self._written = 0.0
 
-    def begin(self, stage_ids: list[str], run_dir: Path | None) -> None:
-        self.order, self.run_dir = list(stage_ids), run_dir
+    def begin(self, stage_ids: list[str]) -> None:
+        self.order = list(stage_ids)
 
     def start(self, stage_id: str, uses: str, attempt: int) -> StageProgress:
         self.finished.pop(stage_id, None)  # a retry runs the stage again
         stage = StageProgress(stage_id, uses, attempt)
         self.running[stage_id] = stage
+        return stage
+
+    def observe(self, stage_id: str, message: dict[str, Any], now: float) -> StageProgress | None:
+        """A worker's progress message for a running stage; None for other messages or stages."""
+        stage = self.running.get(stage_id)
+        if stage is None or message.get("t") != "progress":
+            return None
+        stage.observe(message, now)
         return stage
 
     def finish(self, stage_id: str, status: str, seconds: float | None) -> None:
@@ -162,15 +195,67 @@ class RunProgress:
             "finished": self.finished, "run_eta_s": run_eta.seconds, "run_eta_estimated": run_eta.estimated,
         }
 
-    def save(self, now: float, force: bool = False) -> None:
-        """Write progress.json (atomically) when begin() named the run directory."""
-        if self.run_dir is None or (not force and now - self._written < PROGRESS_FILE_INTERVAL_S):
-            return
-        self._written = now
-        try:
-            write_json(self.run_dir / PROGRESS_FILE, self.snapshot(now))
-        except OSError:
-            pass  # progress.json is a convenience for `opus status`; a full disk must not stop the run
+
+
+class ProgressFile(Unobserved):  # line and warn: words are the display's
+    """The runner's own observer (opus.pipeline.events.RunObserver): keeps run_dir/progress.json.
+
+    ``update`` runs on the worker listener's thread, the rest on the main thread, the periodic write on
+    a ticker thread: the state is shared under one lock.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / PROGRESS_FILE
+        self.run = RunProgress()
+        self._lock = threading.Lock()
+        self._written = 0.0
+        # A stage may go quiet for long after its last message: ETAs and `updated` still move on.
+        self._ticker = Ticker(1.0, lambda: self._save(force=False))
+
+    def __enter__(self) -> ProgressFile:
+        self._ticker.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._ticker.stop()
+        with self._lock:
+            self.run.running.clear()  # also after Ctrl-C: an interrupted stage is not running any more
+        self._save(force=True)
+
+    def begin(self, stage_ids: list[str]) -> None:
+        with self._lock:
+            self.run.begin(stage_ids)
+        self._save(force=True)
+
+    def started(self, stage_id: str, uses: str, attempt: int) -> None:
+        with self._lock:
+            self.run.start(stage_id, uses, attempt)
+        self._save(force=True)
+
+    def update(self, stage_id: str, message: dict[str, Any]) -> None:
+        with self._lock:
+            changed = self.run.observe(stage_id, message, time.monotonic()) is not None
+        if changed:
+            self._save(force=False)
+
+    def finished(self, stage_id: str, status: str, metrics: dict[str, Any], seconds: float | None,
+                 note: str = "") -> None:
+        with self._lock:
+            self.run.finish(stage_id, status, seconds)
+        self._save(force=True)
+
+    def _save(self, force: bool) -> None:
+        """Write progress.json (atomically), at most every PROGRESS_FILE_INTERVAL_S unless forced."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._written < PROGRESS_FILE_INTERVAL_S:
+                return
+            self._written = now
+            snapshot = self.run.snapshot(now)
+            try:
+                write_json(self.path, snapshot)
+            except OSError:
+                pass  # progress.json is a convenience for `opus status`; a full disk must not stop the run
 
 
 def describe_running(entry: dict[str, Any], now_wall: float) -> str:

@@ -35,13 +35,13 @@ from opus.pipeline.checkpoint import (
     read_manifest_key,
     write_checkpoint,
 )
-from opus.pipeline.console import RunDisplay
 from opus.pipeline.contracts import JOB_FILE, Failure, GateVerdict, Job, ResultRecord, UpstreamView, read_result
-from opus.pipeline.events import EventLog
+from opus.pipeline.events import EventLog, Observers, RunObserver
 from opus.pipeline.gates import check_gate, verified
 from opus.pipeline.graph import ancestors, execution_order, validate
 from opus.pipeline.keys import changed_parts, key_parts, run_context_fingerprint, stage_key
 from opus.pipeline.lock import RunLock
+from opus.pipeline.progress import ProgressFile
 from opus.pipeline.run_files import (
     PIPELINE_FILE,
     RUN_FILE,
@@ -90,7 +90,8 @@ class StageRecord:
 
 
 class Runner:
-    def __init__(self, loaded: LoadedPipeline, run_dir: Path, display: RunDisplay) -> None:
+    def __init__(self, loaded: LoadedPipeline, run_dir: Path, observer: RunObserver) -> None:
+        """``observer`` shows the run (opus.cli.run_display); progress.json is kept whatever it is."""
         self.loaded, self.spec = loaded, loaded.spec
         self.graph, self.types = validate(loaded)
         # Once, before anything runs: a stage type declaring an unknown ROLE fails here, not mid-run.
@@ -98,7 +99,8 @@ class Runner:
         self.run_dir = run_dir.resolve()
         self.stages_dir = self.run_dir / "stages"
         self.events = EventLog(self.run_dir)
-        self.display = display
+        self.observer = observer
+        self.observers: RunObserver = observer  # during run(): progress.json's writer too
         self.records: dict[str, StageRecord] = {}
         self.rollbacks: list[dict[str, Any]] = []
         self.key_parts: dict[str, dict[str, str]] = {}
@@ -110,10 +112,12 @@ class Runner:
             self.events.emit("run_resumed" if resumed else "run_started", pid=os.getpid())
             stopped, error = None, None
             order = execution_order(self.graph)
-            self.display.begin(order, self.run_dir)
             try:
-                for stage_id in order:
-                    self._run_stage(stage_id)
+                with ProgressFile(self.run_dir) as progress_file:
+                    self.observers = Observers(progress_file, self.observer)
+                    self.observers.begin(order)
+                    for stage_id in order:
+                        self._run_stage(stage_id)
             except KeyboardInterrupt:
                 stopped, error = "interrupted", "stopped by the user; `opus resume` continues"
             except RunFailed as exc:
@@ -219,7 +223,7 @@ class Runner:
         path, problem = find_checkpoint(self.stages_dir, stage_id, key)
         if problem:
             moved = move_aside(path, self.run_dir / "discarded")
-            self.display.warn(f"checkpoint {path.name} discarded: {problem}; re-running from the one before")
+            self.observers.warn(f"checkpoint {path.name} discarded: {problem}; re-running from the one before")
             self.events.emit("checkpoint_discarded", stage=stage_id, reason=problem,
                              moved_to=relative_path(moved, self.run_dir))
             return False
@@ -228,7 +232,7 @@ class Runner:
         result = read_result(path)
         failure = result.failure
         if result.status == "rolled_back" and failure and failure.kind in TRANSIENT_FAILURES:
-            self.display.line(f"  {stage_id}: rolled back last time for a cause that can pass "
+            self.observers.line(f"  {stage_id}: rolled back last time for a cause that can pass "
                               f"({failure.kind}: {failure.reason}); running it again")
             self.events.emit("stage_retried_on_resume", stage=stage_id, failure=failure.as_json())
             return False
@@ -240,7 +244,7 @@ class Runner:
                              failure.reason if failure else "from checkpoint", list(result.warnings))
         self.records[stage_id] = record
         self.events.emit("stage_cached", stage=stage_id, key=key)
-        self.display.finished(stage_id, status, record.metrics, None, "(checkpoint reused)")
+        self.observers.finished(stage_id, status, record.metrics, None, "(checkpoint reused)")
         return True
 
     def _baseline(self) -> dict[str, Any] | None:
@@ -278,7 +282,7 @@ class Runner:
             next_remedy = _config_change(cfg, next_cfg) if next_cfg is not None else None
             restore = incoming if action == "retry" else self._restore_point(stage_id, incoming)
             self._rollback(stage_id, attempt, failure, metrics, action, next_remedy, restore, out_dir)
-            self.display.finished(stage_id, "rolled_back", metrics, seconds,
+            self.observers.finished(stage_id, "rolled_back", metrics, seconds,
                                   f"— {failure.reason} → {action}" + (f" ({why})" if why else ""))
             if action == "retry":
                 cfg, remedy, attempt = next_cfg, next_remedy, attempt + 1
@@ -295,7 +299,7 @@ class Runner:
         """One supervised worker run of the stage; a disk too full for its checkpoint stops it first."""
         stage = self.spec.stage(stage_id)
         self.events.emit("stage_started", stage=stage_id, key=key, attempt=attempt, remedy=remedy)
-        self.display.started(stage_id, stage.uses, attempt)
+        self.observers.started(stage_id, stage.uses, attempt)
         started = time.monotonic()
         try:  # before hours of compute, not after: the checkpoint is about the size of the model
             needed = self._checkpoint_estimate(stage_id, incoming)
@@ -318,7 +322,7 @@ class Runner:
         if setting != "auto":
             return setting
         threads, idle, cores = auto_threads()
-        self.display.line(f"  {stage_id}: {threads} thread{'s' if threads > 1 else ''} "
+        self.observers.line(f"  {stage_id}: {threads} thread{'s' if threads > 1 else ''} "
                           f"({idle:.1f} of {cores} cores idle; run.threads: auto)")
         self.events.emit("stage_threads", stage=stage_id, threads=threads, idle_cores=round(idle, 2), cores=cores)
         return threads
@@ -326,7 +330,7 @@ class Runner:
     def _on_message(self, stage_id: str, message: dict[str, Any]) -> None:
         if message.get("t") == "event" and isinstance(message.get("fields"), dict):
             self.events.emit(str(message.get("event")), stage=stage_id, **message["fields"])
-        self.display.update(stage_id, message)
+        self.observers.update(stage_id, message)
 
     def _checkpoint_estimate(self, stage_id: str, incoming: Path | None) -> int:
         if self._role(stage_id) not in ("transform", "export"):
@@ -380,7 +384,7 @@ class Runner:
         self.events.emit("stage_" + status, stage=stage_id, key=key, metrics=record.metrics,
                          gate=gate.as_json() if gate else None, attempts=attempt + 1, warnings=record.warnings)
         if status == "done":
-            self.display.finished(stage_id, status, record.metrics, seconds,
+            self.observers.finished(stage_id, status, record.metrics, seconds,
                                   "".join(f"— warning: {w}" for w in record.warnings[:1]))
 
     def _rollback(self, stage_id: str, attempt: int, failure: Failure, metrics: dict[str, Any],

@@ -11,6 +11,18 @@ MEASURES = ("throughput_tok_s", "ttft_ms", "perplexity", "peak_mem_mb")
 FINAL_EXTRA = ("agreement", "agreement_free", "logits_cosine", "top5_overlap", "top1_accuracy")
 
 
+HEADLINE = (("throughput_tok_s", "P", "{:.1f} tok/s"), ("ttft_ms", "D", "{:.1f} ms"),
+            ("perplexity", "ppl", "{:.3f}"), ("agreement", "agree", "{:.3f}"), ("agreement_free", "free", "{:.3f}"),
+            ("serve_output_tok_s", "served", "{:.1f} tok/s"), ("serve_ttft_p99_ms", "TTFT p99", "{:.0f} ms"),
+            ("serve_concurrency", "clients", "{:d}"))
+
+
+def headline(metrics: dict[str, Any]) -> str:
+    """A stage's measures in one line (``P 41.2 tok/s  D 88.0 ms  ppl 9.601``), as every display shows them."""
+    parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in HEADLINE
+             if isinstance(metrics.get(key), (int, float))]
+    return "  ".join(parts)
+
 def _pick(metrics: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     picked = {k: metrics.get(k) for k in keys}
     # The spreads travel with the figures so that compare and the report can tell noise from change.

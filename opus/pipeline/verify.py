@@ -1,8 +1,6 @@
-"""``opus verify RUN_DIR``: every checkpoint's hashes and the lineage between them, read-only.
-
-Says for each stage what a resume would do (reuse, retry, recompute) and why, and whether the run's
-summary.json describes the checkpoints that are there now. Exit 0 when a resume would redo nothing
-and the summary agrees, 3 otherwise.
+"""Verifying a run (``opus verify RUN_DIR``): every checkpoint's hashes and the lineage between them,
+read-only: for each stage what a resume would do (reuse, retry, recompute) and why, and whether the
+run's summary.json describes the checkpoints that are there now. opus.cli.run prints it.
 """
 
 from __future__ import annotations
@@ -11,16 +9,15 @@ from pathlib import Path
 from typing import Any
 
 from opus.atomic import read_json
-from opus.errors import EXIT_OK, EXIT_RUN_FAILED
 
 
 def verify_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """(what a resume would do per stage, where summary.json disagrees with the checkpoints)."""
-    from opus.pipeline.console import RunDisplay
+    from opus.pipeline.events import Unobserved
     from opus.pipeline.run_files import SUMMARY_FILE, load_run
     from opus.pipeline.runner import Runner
 
-    runner = Runner(load_run(run_dir), run_dir, RunDisplay(quiet=True))
+    runner = Runner(load_run(run_dir), run_dir, Unobserved())
     plan = runner.resume_plan()
     summary_path = run_dir / SUMMARY_FILE
     if not summary_path.is_file():
@@ -30,14 +27,3 @@ def verify_run(run_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
              for p in plan if p["action"] == "reuse" and recorded.get(p["stage"]) != p.get("key")]
     return plan, stale
 
-
-def print_verification(run_dir: Path) -> int:
-    plan, stale = verify_run(run_dir)
-    for entry in plan:
-        print(f"{entry['stage']:<20} {entry['action']:<10} {entry['why']}")
-    for line in stale:
-        print(f"warning: {line}")
-    redo = [p["stage"] for p in plan if p["action"] != "reuse"]
-    print(f"{run_dir}: " + (f"a resume would redo {', '.join(redo)}" if redo else "every checkpoint verifies; "
-                            "a resume would redo nothing"))
-    return EXIT_OK if not redo and not stale else EXIT_RUN_FAILED

@@ -18,8 +18,8 @@ import git
 import yaml
 
 from opus.errors import EXIT_INVALID, OpusError
-from opus.pipeline.console import headline
 from opus.pipeline.run_files import SUMMARY_FILE
+from opus.pipeline.summary import headline
 from opus.report.publish import ratio_line, tracked_files
 
 ZERO_SHA = "0" * 40

@@ -17,10 +17,11 @@ import pytest
 from rich.console import Console
 
 from opus.cli.main import main
+from opus.cli.run_display import RunDisplay
 from opus.pipeline import progress as run_progress
-from opus.pipeline.console import RunDisplay
+from opus.pipeline.events import Observers, RunObserver
 from opus.pipeline.lock import RunLock
-from opus.pipeline.progress import RunProgress
+from opus.pipeline.progress import ProgressFile, RunProgress
 from tests.pty_helpers import CSI, PtyResult, SmokeRun, run_in_pty, screen_rows
 
 HIDE_CURSOR = "\x1b[?25l"  # rich's live display hides the cursor while it draws: proof it was on
@@ -59,21 +60,23 @@ def test_bench_under_a_narrow_terminal(smoke_run: SmokeRun) -> None:
 
 
 # -- the display alone ---------------------------------------------------------------------
-def _fake_run(display: RunDisplay, run_dir: Path | None) -> None:
-    """Two stages as the runner reports them: no total at first, then counts; a long note and phase."""
-    display.begin(["baseline", "kv_config", "export"], run_dir)
-    display.started("baseline", "baseline", 0)
-    display.update("baseline", {"t": "progress", "done": 0, "total": None, "what": "loading [/b] model"})
+def _fake_run(display: RunDisplay, observer: RunObserver | None = None) -> None:
+    """Two stages as the runner reports them (to ``observer``, the display by default): no total at
+    first, then counts; a long note and phase."""
+    told = observer or display
+    told.begin(["baseline", "kv_config", "export"])
+    told.started("baseline", "baseline", 0)
+    told.update("baseline", {"t": "progress", "done": 0, "total": None, "what": "loading [/b] model"})
     display.progress.refresh()
     for done in (1, 3):
         time.sleep(0.02)
-        display.update("baseline", {"t": "progress", "done": done, "total": 10, "what": "P warm-up"})
+        told.update("baseline", {"t": "progress", "done": done, "total": 10, "what": "P warm-up"})
     display.progress.refresh()
-    display.finished("baseline", "done", {"perplexity": 28.6}, 12.5, LONG_NOTE)
-    display.started("kv_config", "kv_config", 1)
-    display.update("kv_config", {"t": "progress", "done": 2, "total": 128, "what": "phase " + "x" * 150})
+    told.finished("baseline", "done", {"perplexity": 28.6}, 12.5, LONG_NOTE)
+    told.started("kv_config", "kv_config", 1)
+    told.update("kv_config", {"t": "progress", "done": 2, "total": 128, "what": "phase " + "x" * 150})
     display.progress.refresh()
-    display.warn("checkpoint [/x] discarded")
+    told.warn("checkpoint [/x] discarded")
 
 
 @pytest.mark.parametrize("columns", [80, 200])
@@ -83,7 +86,7 @@ def test_live_display_fits_the_terminal(columns: int, monkeypatch: pytest.Monkey
     console = Console(file=out, width=columns, force_terminal=True, color_system=None, highlight=False)
     with RunDisplay(console=console) as display:
         assert display.live
-        _fake_run(display, None)
+        _fake_run(display)
     rows = screen_rows(out.getvalue())
     bars = [row for row in rows if "ETA" in row]
     assert bars and all(len(row) <= columns for row in bars), max(bars, key=len)
@@ -114,9 +117,10 @@ def test_pipe_prints_plain_lines_with_etas(tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("OPUS_PROGRESS_INTERVAL_S", "0.1")
     monkeypatch.setattr(run_progress, "PROGRESS_FILE_INTERVAL_S", 0.0)
     out = io.StringIO()
-    with RunDisplay(console=Console(file=out, width=80, force_terminal=False)) as display:
+    with ProgressFile(tmp_path) as progress_file, \
+            RunDisplay(console=Console(file=out, width=80, force_terminal=False)) as display:
         assert not display.live
-        _fake_run(display, tmp_path)
+        _fake_run(display, Observers(progress_file, display))
         _wait_for(lambda: out.getvalue().count("kv_config: phase") >= 2)  # repeated while it runs
         running = json.loads((tmp_path / "progress.json").read_text())["running"]
         assert [(r["stage"], r["done"], r["total"]) for r in running] == [("kv_config", 2, 128)]
@@ -148,7 +152,7 @@ def test_etas_come_from_measurements_only() -> None:
     stage.observe({"done": 5, "total": 10, "what": "P"}, now=105.0)
     assert stage.eta_s(105.0) == pytest.approx(5.0)
     assert run.run_eta(105.0).seconds is None  # begin() not called: the run's stages are unknown
-    run.begin(["a", "b", "c"], None)
+    run.begin(["a", "b", "c"])
     assert run.run_eta(105.0).text() == "?"  # b and c waiting, no stage has finished yet
     run.finish("a", "done", 20.0)
     stage = run.start("b", "plan", 0)
@@ -172,10 +176,10 @@ def test_status_without_argument_shows_the_latest_run_and_its_progress(
     runs = tmp_path / "runs"
     latest = _fake_run_dir(runs / "b-older-name", created=2000.0)
     _fake_run_dir(runs / "z-earlier", created=1000.0)
-    with RunLock(latest), RunDisplay(console=Console(file=io.StringIO()), quiet=True) as display:
-        display.begin(["plan", "quantize"], latest)
-        display.started("quantize", "quantize", 0)
-        display.update("quantize", {"t": "progress", "done": 12, "total": 40, "what": "calibrating"})
+    with RunLock(latest), ProgressFile(latest) as progress_file:
+        progress_file.begin(["plan", "quantize"])
+        progress_file.started("quantize", "quantize", 0)
+        progress_file.update("quantize", {"t": "progress", "done": 12, "total": 40, "what": "calibrating"})
         assert main(["status", "--runs-dir", str(runs)]) == 0
     out = capsys.readouterr().out
     assert f"{latest}: running" in out and "latest run" in out
@@ -203,7 +207,7 @@ def test_while_torch_compiles_the_line_says_so_and_the_eta_is_unknown() -> None:
     of units it grew to 35 hours while a 30-layer model's decode step compiled); the compile, once
     over, is in the rate (more of them may come)."""
     run = RunProgress()
-    run.begin(["kv"], None)
+    run.begin(["kv"])
     stage = run.start("kv", "kv_config", 0)
     stage.observe({"done": 0, "total": 10, "what": "P"}, now=100.0)
     stage.observe({"done": 2, "total": 10, "what": "P"}, now=104.0)  # 2 s a unit

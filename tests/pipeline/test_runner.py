@@ -222,3 +222,36 @@ def test_auto_threads_run_each_stage_on_the_cores_idle_before_it(tmp_path: Path,
     assert [s["metrics"]["threads"] for s in summary(run_dir)["stages"]] == [1, 1]
     chosen = [e for e in events(run_dir) if e["event"] == "stage_threads"]
     assert [(e["stage"], e["threads"], e["idle_cores"]) for e in chosen] == [("base", 1, 1.0), ("after", 1, 1.0)]
+
+
+def test_the_engine_keeps_progress_json_whatever_observes_it(tmp_path: Path) -> None:
+    """No display at all (the Python API, a service): the runner still writes progress.json for `opus
+    status`, and its observer hears begin, then each stage started before finished."""
+    from opus.atomic import read_json
+    from opus.pipeline.events import Unobserved
+    from opus.pipeline.runner import Runner
+    from opus.pipeline.spec import load_pipeline
+
+    class Recorder(Unobserved):
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, ...]] = []
+
+        def begin(self, stage_ids: list[str]) -> None:
+            self.calls.append(("begin", *stage_ids))
+
+        def started(self, stage_id: str, uses: str, attempt: int) -> None:
+            self.calls.append(("started", stage_id))
+
+        def finished(self, stage_id: str, status: str, metrics: dict, seconds: float | None, note: str = "") -> None:
+            self.calls.append(("finished", stage_id, status))
+
+    path = write_pipeline(tmp_path / "p.yaml", pipeline(CHAIN[:2]))
+    recorder = Recorder()
+    result = Runner(load_pipeline(path), tmp_path / "run", recorder).run()
+    assert result["status"] == "finished"
+    assert recorder.calls == [("begin", "base", "first"), ("started", "base"), ("finished", "base", "done"),
+                              ("started", "first"), ("finished", "first", "done")]
+    progress = read_json(tmp_path / "run" / "progress.json")
+    assert progress["running"] == [] and progress["stages"] == ["base", "first"]
+    assert {stage: entry["status"] for stage, entry in progress["finished"].items()} == {"base": "done",
+                                                                                        "first": "done"}

@@ -1,93 +1,31 @@
-"""What a person watching the run sees (rich).
+"""What a person watching ``opus run`` sees (rich): an observer of the run engine.
 
 In an interactive terminal: a live bar per running stage (phase, done/total, elapsed, ETA of the
 stage and of the run) and one line per finished stage. In a pipe or a log file: plain lines, never
 wrapped, one per running stage at least every ``PROGRESS_INTERVAL_S``, and one per finished stage.
-Either way the running stages' progress goes to run_dir/progress.json for ``opus status``.
+progress.json (for ``opus status``) is the engine's own (opus.pipeline.progress.ProgressFile).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, Task, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, Task, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Column
 from rich.text import Text
 
-from opus.pipeline.progress import RunProgress, StageProgress, format_count, format_duration
+from opus.pipeline.progress import RunProgress, StageProgress, Ticker, format_count, format_duration
+from opus.pipeline.summary import headline
+from opus.terminal import WIDE_COLUMNS, FieldColumn, is_live, progress_interval_s
 
-HEADLINE = (("throughput_tok_s", "P", "{:.1f} tok/s"), ("ttft_ms", "D", "{:.1f} ms"),
-            ("perplexity", "ppl", "{:.3f}"), ("agreement", "agree", "{:.3f}"), ("agreement_free", "free", "{:.3f}"),
-            ("serve_output_tok_s", "served", "{:.1f} tok/s"), ("serve_ttft_p99_ms", "TTFT p99", "{:.0f} ms"),
-            ("serve_concurrency", "clients", "{:d}"))
-# Pipe/log mode: a progress line per running stage at least this often (OPUS_PROGRESS_INTERVAL_S
-# overrides it; the tests use a fraction of a second).
-PROGRESS_INTERVAL_S = 30.0
-# Below this width the bars and labels shrink so a row still fits on one line.
-WIDE_COLUMNS = 120
 MARKS = {"done": ("✓", "green"), "cached": ("↺", "cyan"), "rolled_back": ("↶", "yellow")}
 
 
-def headline(metrics: dict[str, Any]) -> str:
-    parts = [f"{label} {fmt.format(metrics[key])}" for key, label, fmt in HEADLINE
-             if isinstance(metrics.get(key), (int, float))]
-    return "  ".join(parts)
-
-
-def progress_interval_s() -> float:
-    try:
-        return float(os.environ.get("OPUS_PROGRESS_INTERVAL_S", PROGRESS_INTERVAL_S))
-    except ValueError:
-        return PROGRESS_INTERVAL_S
-
-
-def is_live(console: Console) -> bool:
-    """A live display needs a terminal that moves the cursor; TERM=dumb and pipes get plain lines."""
-    return console.is_terminal and not console.is_dumb_terminal
-
-
-class Ticker:
-    """Calls ``tick`` every ``period_s`` on a daemon thread until stopped: pipe mode's lines must come
-    even while a stage sends no message (a long phase), so they cannot wait for ``update``."""
-
-    def __init__(self, period_s: float, tick: Callable[[], None]) -> None:
-        self.period_s, self.tick = period_s, tick
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="opus-progress", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
-            self.tick()
-
-
-class FieldColumn(ProgressColumn):
-    """Text from a function of the task, one line, cut with an ellipsis when the row is too wide."""
-
-    def __init__(self, text: Callable[[Task], str], width: int | None = None, style: str = "") -> None:
-        self.text, self.style = text, style
-        super().__init__(table_column=Column(width=width, no_wrap=width is not None))
-
-    def render(self, task: Task) -> Text:
-        return Text(self.text(task), style=self.style, no_wrap=True, overflow="ellipsis")
-
-
 class RunDisplay:
-    """Called by the runner: begin, then per stage started/update*/finished; line and warn anywhere.
+    """The run's observer for a person (opus.pipeline.events.RunObserver).
 
     ``update`` runs on the worker listener's thread, the rest on the main thread, pipe-mode lines on
     a ticker thread: the state is shared under one lock.
@@ -124,7 +62,7 @@ class RunDisplay:
 
     def __enter__(self) -> RunDisplay:
         self.progress.start()
-        self._ticker.start()  # progress.json too: a stage may go quiet for long after its last message
+        self._ticker.start()  # a log's lines: a stage may go quiet for long after its last message
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -133,14 +71,12 @@ class RunDisplay:
         self.progress.stop()
         with self._lock:
             self.run.running.clear()  # an interrupted stage is not running any more
-            self.run.save(time.monotonic(), force=True)
 
     # -- the runner's calls ----------------------------------------------------------------
-    def begin(self, stage_ids: list[str], run_dir: Path) -> None:
-        """The run's stages in order (for the run's ETA) and where progress.json goes."""
+    def begin(self, stage_ids: list[str]) -> None:
+        """The run's stages in order (for the run's ETA)."""
         with self._lock:
-            self.run.begin(stage_ids, run_dir)
-            self.run.save(time.monotonic(), force=True)
+            self.run.begin(stage_ids)
 
     def started(self, stage_id: str, uses: str, attempt: int) -> None:
         label = f"{stage_id} ({uses})" + (f" retry {attempt}" if attempt else "")
@@ -148,21 +84,14 @@ class RunDisplay:
         with self._lock:
             stage = self.run.start(stage_id, uses, attempt)
             self.tasks[stage_id] = self.progress.add_task(label if self.wide else short, total=None, stage=stage)
-            self.run.save(time.monotonic(), force=True)
             if not self.live:
                 self._print(Text(f"▸ {label} started"))
 
     def update(self, stage_id: str, message: dict[str, Any]) -> None:
-        if message.get("t") != "progress":
-            return
         with self._lock:
-            stage, task = self.run.running.get(stage_id), self.tasks.get(stage_id)
-            if stage is None or task is None:
-                return
-            now = time.monotonic()
-            stage.observe(message, now)
-            self._show(task, stage)
-            self.run.save(now)
+            stage, task = self.run.observe(stage_id, message, time.monotonic()), self.tasks.get(stage_id)
+            if stage is not None and task is not None:
+                self._show(task, stage)
 
     def _show(self, task_id: TaskID, stage: StageProgress) -> None:
         self.progress.update(task_id, completed=stage.done or 0, total=stage.total)
@@ -179,7 +108,6 @@ class RunDisplay:
             if task is not None:
                 self.progress.remove_task(task)
             self.run.finish(stage_id, status, seconds)
-            self.run.save(time.monotonic(), force=True)
         mark, color = MARKS.get(status, ("✗", "red"))
         took = f"{seconds:7.1f}s" if seconds is not None else " " * 8
         text = Text(mark, style=color)
@@ -204,7 +132,6 @@ class RunDisplay:
     def _tick(self) -> None:
         now = time.monotonic()
         with self._lock:
-            self.run.save(now)
             if self.live or self.quiet:
                 return
             due = [s for s in self.run.running.values() if now - s.last_printed >= self.interval_s]
@@ -217,7 +144,3 @@ class RunDisplay:
         return (f"… {time.strftime('%H:%M:%S')} {stage.stage_id}: {stage.label(now)}  "
                 f"{format_count(stage.done, stage.total)}  elapsed {format_duration(now - stage.started)}  "
                 f"stage ETA {format_duration(stage.eta_s(now))}  run ETA {self.run.run_eta(now).text()}")
-
-
-def plain_console() -> Console:
-    return Console(stderr=True, highlight=False, force_terminal=sys.stderr.isatty())
