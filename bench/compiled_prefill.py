@@ -185,17 +185,19 @@ def main() -> None:
               CONTENDERS[4]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="bfloat16"),
               CONTENDERS[5]: static.cache_config(True, compile_prefill=True, attention="blocked", kv_dtype="int8"),
               CONTENDERS[6]: static.cache_config(True, compile_prefill=True, attention="blocked",
-                                                 w8a8_weight_only_rows=1)}
+                                                 kernels={"w8a8_weight_only_rows": 1})}
     caches.update({CONTENDERS[6 + index]: static.cache_config(True, compile_prefill=True, attention="blocked",
-                                                            w8a8_weight_only_rows=1, w8a8_packed_gemm=where)
+                                                            kernels={"w8a8_weight_only_rows": 1,
+                                                                     "w8a8_packed_gemm": where})
                    for index, where in ((1, "prefill"), (2, "both")) if ONEDNN.available() is None})
     if ONEDNN.available() is None:  # what K3's kv_config kept at batch 32 on 2026-12-06
         caches[CONTENDERS[10]] = static.cache_config(True, compile_prefill=True, attention="blocked",
-                                                     kv_dtype="int8", w8a8_packed_gemm="prefill")
+                                                     kv_dtype="int8", kernels={"w8a8_packed_gemm": "prefill"})
     if ONEDNN.available() is None and FBGEMM.available() is None:  # int8 activations from one row: FBGEMM's GEMV
         caches[CONTENDERS[9]] = static.cache_config(True, compile_prefill=True, attention="blocked",
-                                                    w8a8_weight_only_rows=0,
-                                                    w8a8_packed_gemm={"prefill": "onednn", "decode": "fbgemm"})
+                                                    kernels={"w8a8_weight_only_rows": 0,
+                                                             "w8a8_packed_gemm": {"prefill": "onednn",
+                                                                                  "decode": "fbgemm"}})
     caches = {name: c for name, c in caches.items() if CONTENDERS.index(name) not in args.skip}
     runs = {CONTENDERS[0]: lambda p, n: generate(base, p, n)}
     for name, config in caches.items():

@@ -38,7 +38,8 @@ def main() -> None:
     args, base, calib, prompts = k3_prefill_setup(__doc__.splitlines()[0])
     model = optimized(base, calib, "w8a8", "compiled")
     make = cache_factory(model, static.cache_config(True, compile_prefill=True, attention="blocked",
-                                                    w8a8_weight_only_rows=1, w8a8_packed_gemm="prefill"))
+                                                    kernels={"w8a8_weight_only_rows": 1,
+                                                             "w8a8_packed_gemm": "prefill"}))
     contenders = {"one call per expert": lambda *_: False, "one call per layer": ONE_CALL}
 
     def prefill(one_call: object) -> torch.Tensor:

@@ -9,8 +9,9 @@ torch's attention and once with Opus's blocked causal attention, ``static_attent
 the model's own attention's; and with K/V
 kept in bfloat16 or int8, ``static_kv_dtypes``, which races only if the perplexity of text decoded through it
 is within ``max_kv_ppl_increase`` of the growing cache's, ``kv_fidelity`` in kv_config.json; and with
-W8A8 layers taking the int8 GEMM from fewer rows, ``static_w8a8_weight_only_rows``, or through oneDNN's
-or FBGEMM's packed kernel at prefill, decode or both, ``static_w8a8_packed_gemm``), and
+each value of the quantization formats' kernel choices that ``kernel_choices`` lists: W8A8 layers taking
+the int8 GEMM from fewer rows, ``w8a8_weight_only_rows``, or through oneDNN's or FBGEMM's packed kernel
+at prefill, decode or both, ``w8a8_packed_gemm``; opus.kv.kernel_choices), and
 the static cache whose decode steps are captured in a CUDA graph (``opus.kv.cuda_graph``; on CUDA,
 or uncaptured with ``cuda_graph: true``). A candidate that cannot run is logged and listed under
 ``unavailable`` in ``kv_config.json`` with the reason. They run the pipeline's workload (or the
@@ -44,11 +45,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from opus.errors import InputError
 from opus.kv.cache import KV_CONFIG_FILE
-from opus.kv.step_kernels import packed_kernels
+from opus.kv.kernel_choices import check_value, choice
 from opus.models.attention import LOSSY_KERNELS
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.replay import source_artifact
@@ -62,13 +63,25 @@ METRICS = frozenset({"kv_throughput_tok_s", "kv_peak_mem_mb", "kv_max_batch", "k
 MB = 1 << 20
 
 
-def _packed_value(value: str | dict[str, str] | None) -> str | dict[str, str] | None:
-    packed_kernels(value)  # one message that says what may be written, whatever is wrong
-    return value
+# The kernel-choice keys of before the choices moved onto the formats: pipeline files written then still
+# run (each is folded into ``kernel_choices``).
+OLD_CHOICE_KEYS = {"static_w8a8_weight_only_rows": "w8a8_weight_only_rows",
+                   "static_w8a8_packed_gemm": "w8a8_packed_gemm"}
 
 
-# Phases (oneDNN's packed int8 GEMM there) or a kernel per phase: opus.kv.step_kernels.packed_kernels.
-PackedGemm = Annotated[str | dict[str, str] | None, AfterValidator(_packed_value)]
+def _kernel_choices(raced: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """Each option a registered kernel choice, each value one it takes: one line saying what may be written."""
+    import opus.quant.formats  # noqa: F401 - registering the formats registers their kernel choices
+
+    for option, values in raced.items():
+        choice(option)
+        for value in values:
+            check_value(option, value)
+    return raced
+
+
+# option -> the values to race (null: the layers' default), e.g. {w8a8_packed_gemm: [null, prefill]}.
+KernelChoices = Annotated[dict[str, Annotated[list[Any], Field(min_length=1)]], AfterValidator(_kernel_choices)]
 
 
 class Config(BaseModel):
@@ -101,17 +114,18 @@ class Config(BaseModel):
     static_kv_dtypes: list[Literal["bfloat16", "float16", "int8"] | None] = Field(default_factory=lambda: [None],
                                                                          min_length=1)
     max_kv_ppl_increase: float = Field(0.005, ge=0)  # relative: 0.005 = +0.5 %
-    # Up to how many rows a W8A8 layer runs its weight-only kernel inside the static cache's compiled steps,
-    # each a candidate: null = the layers' default (16); 1 = the int8 GEMM with per-token activations from
-    # two rows on (a batched decode step), which won on an AMX Xeon and lost on an AMD EPYC.
-    static_w8a8_weight_only_rows: list[Annotated[int, Field(ge=0)] | None] = Field(default_factory=lambda: [None],
-                                                                               min_length=1)
+    # The quantization formats' kernel choices (opus.kv.kernel_choices) the static cache's compiled steps race,
+    # each value a candidate; null = the layers' default. W8A8's: ``w8a8_weight_only_rows`` (up to how many
+    # rows a layer runs its weight-only kernel: 1 = the int8 GEMM with per-token activations from two rows on,
+    # which won on an AMX Xeon and lost on an AMD EPYC) and ``w8a8_packed_gemm`` (the int8 GEMMs through a
+    # packed kernel, opus.quant.packed: prefill / decode / both = oneDNN's there, or a kernel per phase,
+    # {prefill: onednn, decode: fbgemm}; oneDNN's won the prefill and lost the decode on K3's tiny layers and
+    # won both on the 135M shape; FBGEMM's won one-row decode there, AMX Xeon).
+    kernel_choices: KernelChoices = Field(default_factory=dict)
     # Where the static cache's compiled steps run W8A8's int8 GEMMs through a packed kernel
     # (opus.quant.packed), each a candidate: null = torch._int_mm; prefill / decode / both = oneDNN's there;
     # or a kernel per phase, {prefill: onednn, decode: fbgemm}. oneDNN's won the prefill and lost the decode
     # on K3's tiny layers and won both on the 135M shape; FBGEMM's won one-row decode there (AMX Xeon).
-    static_w8a8_packed_gemm: list[PackedGemm] = Field(
-        default_factory=lambda: [None], min_length=1)
     # The static cache with CUDA-graph decode steps (opus.kv.cuda_graph): None measures it on CUDA and
     # reports it unavailable elsewhere; true measures the same step uncaptured off CUDA (CPU CI); false never.
     cuda_graph: bool | None = None
@@ -120,6 +134,21 @@ class Config(BaseModel):
     warmup: int | None = Field(None, ge=0)
     repeats: int | None = Field(None, gt=0)  # timed rounds; default: 5, or the workload's repeats if more
     seed: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_choice_keys(cls, data: Any) -> Any:
+        """``static_w8a8_weight_only_rows: [...]`` as written before: ``kernel_choices.w8a8_weight_only_rows``."""
+        if not isinstance(data, dict) or not set(data) & set(OLD_CHOICE_KEYS):
+            return data
+        data = dict(data)
+        raced = dict(data.get("kernel_choices") or {})
+        for old, option in OLD_CHOICE_KEYS.items():
+            if old in data:
+                if option in raced:
+                    raise ValueError(f"{old} and kernel_choices.{option} say the same: keep kernel_choices")
+                raced[option] = data.pop(old)
+        return {**data, "kernel_choices": raced}
 
 
 def _candidates(cfg: Config, max_ctx: int, model: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

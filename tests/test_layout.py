@@ -135,3 +135,14 @@ def test_the_run_engine_draws_nothing_and_prints_nothing() -> None:
                      if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"
                      and m.name != "opus.pipeline.context"]
     assert drawing == [] and printing == []
+
+
+def test_a_formats_kernel_choices_are_asked_for_never_named() -> None:
+    """W8A8's kernel settings are the format's (Format.kernel_choices, opus.kv.kernel_choices): the caches,
+    kv_config, the exports and the server ask the registries. Only the W8A8 experts' own C++ op and the
+    bench's static path, which are W8A8 kernels themselves, import the format's module."""
+    kernels_themselves = {"opus.fusion.native_experts", "opus.bench.static_path.qlinear"}
+    found = {m.name for m in pkgutil.walk_packages(opus.__path__, "opus.")
+             if not m.name.startswith("opus.quant")
+             for i in imports_of(m.name) if i.startswith("opus.quant.formats.w8a8")}
+    assert found == kernels_themselves

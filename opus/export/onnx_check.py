@@ -75,11 +75,11 @@ def torch_generate(model: nn.Module, ids: torch.Tensor, n: int,
                    on_step: Callable[[], None] | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """The torch reference: greedy with a growing KV cache; tokens [B, n] and each step's last logits."""
     from opus.kv.cache import GrowingKVCache
-    from opus.quant.formats.w8a8 import int8_activations_at_every_size
+    from opus.quant.formats import export_reference
 
     kw = {"last_only": True} if accepts_last_only(model) else {}
     cache, pos, feed, tokens, logits = GrowingKVCache(len(model.model.layers)), 0, ids, [], []
-    with torch.no_grad(), int8_activations_at_every_size():
+    with torch.no_grad(), export_reference():
         for _ in range(n):
             last = model(feed, cache=cache, start_pos=pos, **kw)[:, -1].float()
             pos += feed.shape[1]

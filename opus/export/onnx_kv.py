@@ -218,7 +218,7 @@ def io_names(num_layers: int) -> tuple[list[str], list[str]]:
 def export_graph(model: nn.Module, path: Path, geo: dict[str, Any], last_only: bool) -> None:
     """Trace ``KVDecoder(model)`` with dynamic batch, seq and past lengths into ``path`` (+ external data)."""
     from opus.export.onnx_ops import int4_translations, optimize, rewrite
-    from opus.quant.formats.w8a8 import int8_activations_at_every_size
+    from opus.quant.formats import export_reference
 
     device, dtype = next(model.parameters()).device, model_dtype(model)
     b, t, past = 2, 3, 5  # distinct and > 1: no 0/1 specialization, no accidental equalities
@@ -232,7 +232,7 @@ def export_graph(model: nn.Module, path: Path, geo: dict[str, Any], last_only: b
             "position_ids": {0: batch, 1: seq}, "past_key_values": [{0: batch, 2: past_dim}] * len(kv)}
     inputs, outputs = io_names(geo["num_layers"])
     wrapper = KVDecoder(model, last_only).eval()
-    with export_view(model) as swapped, torch.no_grad(), int8_activations_at_every_size():
+    with export_view(model) as swapped, torch.no_grad(), export_reference():
         if not swapped:
             raise ValueError("no attention module calls opus.models.decoder.attend: the padding mask has no way in")
         program = torch.onnx.export(wrapper, example, dynamo=True, input_names=inputs, output_names=outputs,

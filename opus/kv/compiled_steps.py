@@ -1,14 +1,13 @@
 """Compiling a model's steps (a decode step, a padded prefill) into one C++ graph each, once per model.
 
 The static KV cache (opus.kv.static) and the server's decode steps (opus.serve.steps) run their steps
-through here. A compiled step is traced under its kernel settings (``STEP_SETTINGS``: W8A8's
-weight-only threshold and packed GEMM, registered by the room that owns the kernel) and falls back to
+through here. A compiled step is traced under its kernel settings (opus.kv.kernel_choices: W8A8's
+weight-only threshold and packed GEMM, declared by the format that owns the kernel) and falls back to
 its eager step, once, if compiling fails; the reasons are kept in ``NOTES``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import types
 import weakref
@@ -19,17 +18,13 @@ import torch
 from torch import nn
 
 from opus import compile_watch
+from opus.kv.kernel_choices import KERNEL_CHOICES, traced_under
 
 RECOMPILE_LIMIT = 32
 Step = Callable[..., torch.Tensor]
 Steps = weakref.WeakKeyDictionary[nn.Module, dict[str, Step]]  # per model, per attention kernel and settings
 EagerStep = Callable[[nn.Module, str], Step]
 StepKey = tuple[tuple[str, Any], ...]  # the settings a compiled step is traced under, (option, value)
-# Kernel choices a compiled step is traced (and always run) under, by option: (the setting's context for a
-# value, whether a module is one it applies to). The room that owns the kernel registers it
-# (opus.quant.formats.w8a8), since opus.kv sits below opus.quant.
-StepSetting = tuple[Callable[[Any], contextlib.AbstractContextManager[None]], Callable[[nn.Module], bool]]
-STEP_SETTINGS: dict[str, StepSetting] = {}
 NOTES: list[str] = []  # compile fallbacks of this process, one line each
 _SERIAL = itertools.count()
 
@@ -48,14 +43,11 @@ def compiled_once(model: nn.Module, attention: str, settings: StepKey, steps: St
 def _traced_with(settings: StepKey, compiled: Step) -> Step:
     """``compiled`` always called (and so traced) under ``settings``' kernel choices (W8A8's weight-only
     threshold, its packed GEMM): the graph keeps the branch it was traced with."""
-    known = [(STEP_SETTINGS[option][0], value) for option, value in settings if option in STEP_SETTINGS]
-    if not known:  # no W8A8 layer was ever built
+    if not any(option in KERNEL_CHOICES for option, _ in settings):  # no format with choices registered
         return compiled
 
     def step(*args: Any) -> torch.Tensor:
-        with contextlib.ExitStack() as stack:
-            for setting, value in known:
-                stack.enter_context(setting(value))
+        with traced_under(settings):
             return compiled(*args)
 
     return step

@@ -35,19 +35,16 @@ model with head_dim 32, 64 or 128 is read as stored, bytes and scales, by ``opus
 the widened path serves where it does not build). A prompt attends to its own keys as computed. It is
 lossy: kv_config measures its perplexity through the cache before it may race.
 
-``w8a8_weight_only_rows: N`` traces the compiled steps with W8A8 layers running their weight-only kernel
-only up to N rows (the layers' default is 16), the int8 GEMM with per-token activations above: which of
-the two is faster at a batched decode step depends on the CPU (opus.quant.formats.w8a8), so kv_config
-measures it (``static_w8a8_weight_only_rows``) rather than assume it. The eager steps keep the default.
-``w8a8_packed_gemm: prefill | decode | both`` traces those steps with W8A8's int8 GEMMs through oneDNN's
-packed kernel (opus.quant.packed) instead of ``torch._int_mm``; ``{prefill: onednn, decode: fbgemm}`` names
-the kernel per phase (FBGEMM's is the faster at one to a few rows). A packed kernel saves a pass over each
-weight per call and costs a fixed toll per call, so it wins on big layers and loses on tiny ones
-(measured: ``kv_config``'s ``static_w8a8_packed_gemm``).
+Each registered kernel choice (opus.kv.kernel_choices, declared by the quantization formats: W8A8's
+``w8a8_weight_only_rows`` and ``w8a8_packed_gemm``) is an option of the same name: the compiled steps
+are traced under its value (per phase where the value names phases), the eager steps keep the layers'
+defaults. Which is faster depends on the CPU and the layers' sizes, so kv_config races the values its
+``kernel_choices`` lists rather than assume one.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -56,7 +53,7 @@ from torch import nn
 
 from opus.kv.cache import CacheBase, CacheShape, KindBase, KVCache, register_kind
 from opus.kv.compiled_steps import Step, StepKey, Steps, compiled_once
-from opus.kv.step_kernels import PACKED_GEMM, WEIGHT_ONLY_ROWS, describe_packed, has_w8a8, packed_kernels, packed_reason
+from opus.kv.kernel_choices import KERNEL_CHOICES, check_value, choice
 from opus.kv.stored import kv_dtype_of, scale_buffers, store, widened
 from opus.models import int8_kv, native_attention
 from opus.models.attention import BLOCKED_BF16, DOT, INT8_STORED, check_kernel
@@ -171,8 +168,7 @@ class CompiledStaticKVCache(_Slots):
     def __init__(self, shape: CacheShape, compile_decode: bool = True,
                  slot_multiple: int = DEFAULT_SLOT_MULTIPLE, compile_prefill: bool = False,
                  attention: str = "sdpa", kv_dtype: str | None = None,
-                 w8a8_weight_only_rows: int | None = None,
-                 w8a8_packed_gemm: str | dict[str, str] | None = None) -> None:
+                 kernels: dict[str, Any] | None = None) -> None:
         if None in (shape.num_layers, shape.num_kv_heads, shape.head_dim):
             raise ValueError("the static KV cache needs the model's num_layers, num_kv_heads and head_dim")
         slots = slots_for(shape.max_seq_len, slot_multiple)
@@ -187,8 +183,9 @@ class CompiledStaticKVCache(_Slots):
         self.prefills_itself = compile_prefill
         self.attention = check_kernel(attention)
         self.decode_attention = self.attention if not self.scales else decode_attention_over_int8(shape)
-        self.weight_only_rows = w8a8_weight_only_rows
-        self.packed = packed_kernels(w8a8_packed_gemm)  # phase -> kernel
+        # option -> value of the kernel choices the compiled steps are traced under
+        self.kernels = {option: check_value(option, value) for option, value in (kernels or {}).items()
+                        if value is not None}
         self._last = torch.zeros(1, dtype=torch.long, device=shape.device)
         self._lens = [0] * int(shape.num_layers)
 
@@ -243,8 +240,8 @@ class CompiledStaticKVCache(_Slots):
 
     def step_settings(self, phase: str) -> StepKey:
         """The kernel settings this cache's compiled ``phase`` (prefill or decode) is traced under."""
-        rows = () if self.weight_only_rows is None else ((WEIGHT_ONLY_ROWS, self.weight_only_rows),)
-        return rows + (((PACKED_GEMM, self.packed[phase]),) if phase in self.packed else ())
+        in_phase = ((option, choice(option).in_phase(value, phase)) for option, value in self.kernels.items())
+        return tuple((option, value) for option, value in in_phase if value is not None)
 
     def _check(self, end: int, batch: int) -> None:
         if end > self.slots:
@@ -314,13 +311,17 @@ def decoder_reason(model: nn.Module) -> str | None:
 
 class _StaticKind(KindBase):
     name, provider, simplicity = KIND, PROVIDER, 2
-    OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype", WEIGHT_ONLY_ROWS, PACKED_GEMM)
+    BASE_OPTIONS = ("compile", "slot_multiple", "compile_prefill", "attention", "kv_dtype")
+
+    @property
+    def OPTIONS(self) -> tuple[str, ...]:  # type: ignore[override]  # noqa: N802 - KindBase's name
+        return self.BASE_OPTIONS + tuple(KERNEL_CHOICES)
 
     def build(self, options: dict[str, Any], shape: CacheShape) -> KVCache:
         self.check_options(options)
         return CompiledStaticKVCache(shape, bool(options.get("compile", True)), slot_multiple_of(options),
                                      bool(options.get("compile_prefill", False)), options.get("attention", "sdpa"),
-                                     options.get("kv_dtype"), options.get(WEIGHT_ONLY_ROWS), options.get(PACKED_GEMM))
+                                     options.get("kv_dtype"), _kernels(options))
 
     def max_batch(self, budget_bytes: int, per_token_bytes: int, context_len: int, options: dict[str, Any]) -> int:
         # The context rounded up to whole slot multiples, allocated at once.
@@ -332,18 +333,15 @@ class _StaticKind(KindBase):
         kernel = {"blocked": ", blocked attention", BLOCKED_BF16: ", blocked attention in bf16"}.get(
             options.get("attention", "sdpa"), "")
         narrow = f", {options['kv_dtype']} K/V" if options.get("kv_dtype") else ""
-        rows = options.get(WEIGHT_ONLY_ROWS)
-        gemm = f", W8A8 int8 GEMMs from {rows + 1} row{'s' if rows else ''}" if rows is not None else ""
-        packed = describe_packed(options[PACKED_GEMM]) if options.get(PACKED_GEMM) else ""
+        kernels = "".join(choice(option).describe(value) for option, value in _kernels(options).items())
         head = f"static, compiled {' and '.join(compiled)}" if compiled else "static"
-        return head + kernel + narrow + gemm + packed
+        return head + kernel + narrow + kernels
 
     def simplicity_of(self, options: dict[str, Any]) -> int:
         # The bf16 kernel ranks below the exact one: among candidates tied on speed the exact one wins.
         blocked = {"blocked": 1, BLOCKED_BF16: 2}.get(options.get("attention", "sdpa"), 0)
-        rows = options.get(WEIGHT_ONLY_ROWS) is not None
-        return (self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype")) + rows
-                + bool(options.get(PACKED_GEMM)))
+        return (self.simplicity + bool(options.get("compile_prefill")) + blocked + bool(options.get("kv_dtype"))
+                + len(_kernels(options)))
 
     def candidates(self, settings: dict[str, Any]) -> list[dict[str, Any]]:
         if not settings.get("include_static", True):
@@ -352,11 +350,11 @@ class _StaticKind(KindBase):
         prefills = [False, True] if settings.get("include_static_prefill", False) else [False]
         kernels = [check_kernel(k) for k in settings.get("static_attention", ["sdpa"])]
         dtypes = settings.get("static_kv_dtypes", [None])
-        thresholds = settings.get("static_w8a8_weight_only_rows", [None])
-        packings = settings.get("static_w8a8_packed_gemm", [None])
-        return [cache_config(True, multiple, prefill, kernel, dtype, rows, packed) for packed in packings
-                for rows in thresholds for dtype in dtypes for prefill in prefills for kernel in kernels
-                if prefill or "prefill" not in packed_kernels(packed)]  # the eager prefill keeps _int_mm
+        raced = settings.get("kernel_choices") or {}  # option -> values, each a candidate
+        combos = [dict(zip(raced, values, strict=True)) for values in itertools.product(*raced.values())]
+        return [cache_config(True, multiple, prefill, kernel, dtype, combo) for combo in combos
+                for dtype in dtypes for prefill in prefills for kernel in kernels
+                if prefill or not _names_prefill(combo)]  # the eager prefill keeps the layers' defaults
 
     def unavailable(self, model: nn.Module, options: dict[str, Any]) -> str | None:
         if options.get("attention", "sdpa") in ("blocked", BLOCKED_BF16):
@@ -367,30 +365,35 @@ class _StaticKind(KindBase):
                 head_dim = getattr(model.config, "head_dim", None)
                 if reason := native_attention.bf16_reason(weight.dtype, weight.device, head_dim):
                     return reason
-        if options.get(WEIGHT_ONLY_ROWS) is not None and not has_w8a8(model):
-            return "the model has no W8A8 layer whose threshold it could set"
-        if options.get(PACKED_GEMM):
-            return packed_reason(model, options[PACKED_GEMM])
+        for option, value in _kernels(options).items():
+            if reason := choice(option).reason(model, value):
+                return reason
         return decoder_reason(model)
 
 
 STATIC = register_kind(_StaticKind())
 
 
+def _kernels(options: dict[str, Any]) -> dict[str, Any]:
+    """The kernel choices a cache's options set (a value of None leaves the layers' default)."""
+    return {option: options[option] for option in KERNEL_CHOICES if options.get(option) is not None}
+
+
+def _names_prefill(kernels: dict[str, Any]) -> bool:
+    return any("prefill" in choice(option).names_phases(value) for option, value in kernels.items()
+               if value is not None)
+
+
 def cache_config(compile_decode: bool = True, slot_multiple: int = DEFAULT_SLOT_MULTIPLE,
                  compile_prefill: bool = False, attention: str = "sdpa", kv_dtype: str | None = None,
-                 w8a8_weight_only_rows: int | None = None,
-                 w8a8_packed_gemm: str | dict[str, str] | None = None) -> dict[str, Any]:
+                 kernels: dict[str, Any] | None = None) -> dict[str, Any]:
     # Options at their defaults are left out: the configs of old stay as they were.
     prefill = {"compile_prefill": True} if compile_prefill else {}
     kernel = {"attention": check_kernel(attention)} if attention != "sdpa" else {}
     if kv_dtype is not None:
         kv_dtype_of(kv_dtype, torch.float32)  # a misspelt dtype fails here, not when a cache is built
     narrow = {"kv_dtype": kv_dtype} if kv_dtype else {}
-    rows = {} if w8a8_weight_only_rows is None else {"w8a8_weight_only_rows": w8a8_weight_only_rows}
-    if rows and (not isinstance(w8a8_weight_only_rows, int) or w8a8_weight_only_rows < 0):
-        raise ValueError(f"w8a8_weight_only_rows must be a number of rows, 0 or more, got {w8a8_weight_only_rows!r}")
-    packed_kernels(w8a8_packed_gemm)  # a misspelt phase or kernel fails here, not when a cache is built
-    packed = {PACKED_GEMM: w8a8_packed_gemm} if w8a8_packed_gemm else {}
-    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow, **rows,
-                         **packed)
+    # A misspelt choice or value fails here, not when a cache is built.
+    chosen = {option: check_value(option, value) for option, value in (kernels or {}).items() if value is not None}
+    return STATIC.config(compile=compile_decode, slot_multiple=slot_multiple, **prefill, **kernel, **narrow,
+                         **chosen)

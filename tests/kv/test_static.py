@@ -389,7 +389,7 @@ def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured
     with int8_activations_from(1):
         int8 = generate(model, ids, 6, return_logits=True)
     weight_only = generate(model, ids, 6, return_logits=True)
-    config = cache_config(True, 16, w8a8_weight_only_rows=1)
+    config = cache_config(True, 16, kernels={"w8a8_weight_only_rows": 1})
     got = generate(model, ids, 6, cache_factory(model, config), return_logits=True)
     default = generate(model, ids, 6, cache_factory(model, cache_config(True, 16)), return_logits=True)
     assert compiled_steps.NOTES == []
@@ -400,14 +400,14 @@ def test_compiled_steps_take_the_w8a8_weight_only_threshold_they_were_configured
     assert (got.logits[:, steps] - int8.logits[:, steps]).abs().max() < apart / 10
     assert (default.logits[:, steps] - weight_only.logits[:, steps]).abs().max() < apart / 10
     assert torch.equal(got.logits[:, 0], weight_only.logits[:, 0])
-    both = STATIC.candidates({"static_w8a8_weight_only_rows": [None, 1]})
+    both = STATIC.candidates({"kernel_choices": {"w8a8_weight_only_rows": [None, 1]}})
     assert [describe_cache(c) for c in both] == ["static, compiled decode",
                                                  "static, compiled decode, W8A8 int8 GEMMs from 2 rows"]
     assert [STATIC.simplicity_of(c) for c in both] == [2, 3]
     assert STATIC.unavailable(model, both[1]) is None
     assert "no W8A8 layer" in STATIC.unavailable(tiny_lm("llama"), both[1])
     with pytest.raises(ValueError, match="w8a8_weight_only_rows"):
-        cache_config(True, w8a8_weight_only_rows=-1)
+        cache_config(True, kernels={"w8a8_weight_only_rows": -1})
 
 
 @needs_cxx
@@ -436,7 +436,8 @@ def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
     monkeypatch.setattr(compiled_steps, "NOTES", [])
 
     def run(where):  # noqa: ANN001, ANN202 - a w8a8_packed_gemm value or None
-        config = cache_config(True, 16, compile_prefill=True, w8a8_weight_only_rows=0, w8a8_packed_gemm=where)
+        config = cache_config(True, 16, compile_prefill=True,
+                              kernels={"w8a8_weight_only_rows": 0, "w8a8_packed_gemm": where})
         generate(model, ids, 4, cache_factory(model, config))  # traced here
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = generate(model, ids, 4, cache_factory(model, config), return_logits=True)
@@ -458,7 +459,7 @@ def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
     for logits in (prefill, both, mixed):
         torch.testing.assert_close(logits, plain, rtol=1e-3, atol=1e-3)
     options = {"include_static_prefill": True,
-               "static_w8a8_packed_gemm": [None, "decode", "prefill", {"decode": "fbgemm"}]}
+               "kernel_choices": {"w8a8_packed_gemm": [None, "decode", "prefill", {"decode": "fbgemm"}]}}
     configs = STATIC.candidates(options)
     assert [describe_cache(c) for c in configs] == [
         "static, compiled decode", "static, compiled prefill and decode",
@@ -471,7 +472,7 @@ def test_compiled_steps_run_the_packed_int8_gemm_where_configured(monkeypatch):
     assert "no W8A8 layer" in STATIC.unavailable(tiny_lm("llama"), configs[-1])
     for wrong in ("sometimes", {"decode": "mkl"}, {"warmup": "fbgemm"}, {}):
         with pytest.raises(ValueError, match="w8a8_packed_gemm must be one of prefill, decode, both, or a kernel"):
-            cache_config(True, w8a8_packed_gemm=wrong)
+            cache_config(True, kernels={"w8a8_packed_gemm": wrong})
 
 
 @needs_cxx

@@ -176,14 +176,15 @@ def test_the_verbose_check_reads_a_real_matmul_and_prints_nothing(capfd: pytest.
 def test_a_correct_but_slow_kernel_is_left_out_of_races_and_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Correct here but on a reference path: kv_config's candidates skip it with the reason, while the
     kernel itself still serves whoever asks for it (its tests keep running on such a CPU)."""
-    from opus.kv.step_kernels import packed_reason
+    from opus.kv.kernel_choices import choice
 
     kernel = next((k for k in (ONEDNN, FBGEMM) if k.available() is None), None)
     if kernel is None:
         pytest.skip("no packed kernel serves here")
     monkeypatch.setattr(kernel, "checked", [None, "a reference path (the test's)"])
     model = torch.nn.Sequential(torch.nn.Linear(96, 96), _layer())
-    assert packed_reason(model, {"prefill": kernel.name, "decode": kernel.name}) == "a reference path (the test's)"
+    value = {"prefill": kernel.name, "decode": kernel.name}
+    assert choice("w8a8_packed_gemm").reason(model, value) == "a reference path (the test's)"
     x = torch.randn(20, 96)
     with packed.use(kernel.name):
         assert _packed_calls(lambda: model[1](x), kernel) == 1

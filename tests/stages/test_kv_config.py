@@ -257,12 +257,28 @@ def test_the_bf16_attention_races_only_within_its_prefill_perplexity_limit(tmp_p
 
 
 def test_a_packed_gemm_per_phase_is_accepted_and_a_wrong_one_is_named():
-    """``static_w8a8_packed_gemm`` takes phases (oneDNN's kernel) or a kernel per phase; anything else is
-    one message saying what may be written."""
+    """W8A8's ``w8a8_packed_gemm`` choice takes phases (oneDNN's kernel) or a kernel per phase; anything else
+    is one message saying what may be written; a choice no format declares names those there are."""
     from pydantic import ValidationError
 
-    ok = kv_config.Config(static_w8a8_packed_gemm=[None, "both", {"prefill": "onednn", "decode": "fbgemm"}])
-    assert ok.static_w8a8_packed_gemm[2] == {"prefill": "onednn", "decode": "fbgemm"}
+    raced = [None, "both", {"prefill": "onednn", "decode": "fbgemm"}]
+    ok = kv_config.Config(kernel_choices={"w8a8_packed_gemm": raced})
+    assert ok.kernel_choices["w8a8_packed_gemm"][2] == {"prefill": "onednn", "decode": "fbgemm"}
     for wrong in ("sometimes", {"decode": "mkl"}, {"warmup": "fbgemm"}, {}):
-        with pytest.raises(ValidationError, match="a kernel per phase .* onednn, fbgemm"):
-            kv_config.Config(static_w8a8_packed_gemm=[wrong])
+        with pytest.raises(ValidationError, match="a kernel per phase .* fbgemm, onednn"):
+            kv_config.Config(kernel_choices={"w8a8_packed_gemm": [wrong]})
+    with pytest.raises(ValidationError, match="no kernel choice 'w8a8_packed_gem' .*w8a8_weight_only_rows"):
+        kv_config.Config(kernel_choices={"w8a8_packed_gem": [None]})
+    with pytest.raises(ValidationError, match="w8a8_weight_only_rows must be a number of rows"):
+        kv_config.Config(kernel_choices={"w8a8_weight_only_rows": [-1]})
+
+
+def test_kernel_choices_as_written_before_they_moved_onto_the_formats_still_run():
+    """A pipeline file of before (``static_w8a8_packed_gemm: [...]``) means the same choices; both spellings
+    of one choice at once is one line."""
+    from pydantic import ValidationError
+
+    old = kv_config.Config(static_w8a8_packed_gemm=[None, "prefill"], static_w8a8_weight_only_rows=[1])
+    assert old.kernel_choices == {"w8a8_packed_gemm": [None, "prefill"], "w8a8_weight_only_rows": [1]}
+    with pytest.raises(ValidationError, match="static_w8a8_packed_gemm and kernel_choices.w8a8_packed_gemm"):
+        kv_config.Config(static_w8a8_packed_gemm=[None], kernel_choices={"w8a8_packed_gemm": ["both"]})

@@ -18,6 +18,7 @@ from opus.quant.formats.registry import (
     ExportMapping,
     Format,
     check_format,
+    export_reference,
     is_noop,
     is_quantized,
     known,
@@ -31,5 +32,5 @@ from opus.quant.formats.registry import (
 # The built-in ladder, for readers; code calls ``ladder()``, which sees formats registered later too.
 LADDER = ladder()
 
-__all__ = ["FORMATS", "LADDER", "ExportMapping", "Format", "check_format", "is_noop", "is_quantized", "known",
-           "ladder", "noop_name", "promote", "register", "unregister"]
+__all__ = ["FORMATS", "LADDER", "ExportMapping", "Format", "check_format", "export_reference", "is_noop",
+           "is_quantized", "known", "ladder", "noop_name", "promote", "register", "unregister"]

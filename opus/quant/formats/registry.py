@@ -2,14 +2,15 @@
 
 A format owns everything about itself — its module class and constructor options, the kernel's shape
 constraints, fake quantization for sensitivity scores, whether its activations are quantized, its rung
-on the accuracy ladder and how exporters name it — so callers ask ``FORMATS[name]`` and never compare
-names. A format is one module that subclasses ``Format`` and calls ``register``; the built-in ones
-live beside this file and are imported by the package's ``__init__``.
+on the accuracy ladder, how exporters name it and its kernels' choices — so callers ask
+``FORMATS[name]`` and never compare names. A format is one module that subclasses ``Format`` and calls
+``register``; the built-in ones live beside this file and are imported by the package's ``__init__``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from opus.errors import OpusError
+from opus.kv.kernel_choices import KernelChoice, register_choice
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class Format:
     cuda_only: bool = False
     static_path: bool = False  # the static CUDA-graph decoder (opus.bench.static_path) may run it
     export: ExportMapping = field(default_factory=ExportMapping)
+    # Settings its layers' kernels can be traced under, raced by kv_config (opus.kv.kernel_choices).
+    kernel_choices: tuple[KernelChoice, ...] = ()
+    # The eager computation an exported graph does (which cannot branch on a symbolic row count): an
+    # export's parity check runs the model under it (every registered format's, at once).
+    export_reference: Callable[[], contextlib.AbstractContextManager[None]] | None = None
 
     @property
     def is_noop(self) -> bool:
@@ -112,8 +119,19 @@ def register(fmt: Format) -> Format:
         raise ValueError(f"format '{fmt.name}' has ladder rank {fmt.rank}, as '{clash[0]}' does")
     if fmt.module is None and any(f.is_noop for f in FORMATS.values() if f.name != fmt.name):
         raise ValueError(f"format '{fmt.name}' keeps the float layer, as '{noop_name()}' does already")
+    for kernel_choice in fmt.kernel_choices:
+        register_choice(kernel_choice)
     FORMATS[fmt.name] = fmt
     return fmt
+
+
+@contextlib.contextmanager
+def export_reference() -> Iterator[None]:
+    """Every registered format computing as its exported graph does, while this lasts."""
+    with contextlib.ExitStack() as stack:
+        for reference in dict.fromkeys(f.export_reference for f in FORMATS.values() if f.export_reference):
+            stack.enter_context(reference())
+        yield
 
 
 def unregister(name: str) -> None:

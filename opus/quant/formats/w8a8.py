@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opus.kv.compiled_steps import STEP_SETTINGS
-from opus.kv.step_kernels import PACKED_GEMM, PACKED_RACE_REASON, WEIGHT_ONLY_ROWS
 from opus.quant import fbgemm, onednn, packed  # noqa: F401 - importing a kernel registers it
+from opus.quant.formats import w8a8_kernels
 from opus.quant.formats.registry import ExportMapping, register
 from opus.quant.formats.w8a16 import Int8WeightFormat
 from opus.quant.kernels import fake_int8_activation, int8_per_tensor, int8_per_token
@@ -125,11 +124,9 @@ def int8_activations_at_every_size() -> contextlib.AbstractContextManager[None]:
     return int8_activations_from(0)
 
 
-# The static cache's compiled steps may be traced with another threshold (its w8a8_weight_only_rows option)
-# and with a packed int8 GEMM, oneDNN's or FBGEMM's (w8a8_packed_gemm).
-STEP_SETTINGS[WEIGHT_ONLY_ROWS] = (int8_activations_from, lambda module: isinstance(module, Int8DynamicLinear))
-STEP_SETTINGS[PACKED_GEMM] = (packed.use, lambda module: isinstance(module, Int8DynamicLinear))
-PACKED_RACE_REASON[:] = [lambda kernel: packed.KERNELS[kernel].race_reason() if kernel in packed.KERNELS else None]
+# The static cache's compiled steps may be traced with another threshold and with a packed int8 GEMM,
+# oneDNN's or FBGEMM's: the format's kernel choices, which kv_config races.
+KERNEL_CHOICES = w8a8_kernels.choices(int8_activations_from, lambda module: isinstance(module, Int8DynamicLinear))
 
 
 class MinRows(nn.Module):
@@ -177,8 +174,11 @@ class Int8DynamicFormat(Int8WeightFormat):
 
 
 register(Int8DynamicFormat("w8a8", 8, rank=30, module=Int8DynamicLinear, options={"per_token": True},
-                           acts_quantized=True, smoothquant=True, static_path=True,
+                           acts_quantized=True, smoothquant=True, static_path=True, kernel_choices=KERNEL_CHOICES,
+                           export_reference=int8_activations_at_every_size,
                            export=ExportMapping(_scheme("token", "W8A8"), "Q8_0")))
 # The naive per-tensor baseline, for comparison: not smoothed when applied (it shows what SmoothQuant buys).
 register(Int8DynamicFormat("w8a8_tensor", 8, rank=20, module=Int8DynamicLinear, options={"per_token": False},
-                           acts_quantized=True, export=ExportMapping(_scheme("tensor", None), "Q8_0")))
+                           acts_quantized=True, kernel_choices=KERNEL_CHOICES,
+                           export_reference=int8_activations_at_every_size,
+                           export=ExportMapping(_scheme("tensor", None), "Q8_0")))
