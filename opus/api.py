@@ -75,7 +75,7 @@ class LoadedModel:
     def kv_cache(self) -> dict[str, Any] | None:
         """The KV cache the run chose (its ``kv_cache`` recipe step), or None: the growing cache; with
         ``eager``, the same cache with its decode steps run eagerly (no compile)."""
-        from opus.kv.cache import cache_config_from_recipe
+        from opus.kv.choice import cache_config_from_recipe
 
         config = cache_config_from_recipe(self.state.get("recipe"))
         if self.eager and config and config.get("compile"):

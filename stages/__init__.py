@@ -49,7 +49,8 @@ def measure_incoming(ctx: Any, cfg: MeasureConfig, extra_units: int = 0) -> Meas
     The KV cache is the one the state's recipe chose (a ``kv_cache`` step), else the growing cache.
     ``extra_units`` is progress work the stage will do afterwards, so the ETA covers it.
     """
-    from opus.kv.cache import cache_config_from_recipe, cache_factory
+    from opus.kv.cache import cache_factory
+    from opus.kv.choice import cache_config_from_recipe
     from opus.kv.compiled_steps import compile_notes
     from opus.runtime.engine import supports_cache
     from opus.runtime.metrics import Progress, Settings, measure_suite, prepare_inputs

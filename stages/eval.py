@@ -192,7 +192,8 @@ def _side_by_side(ctx: StageContext, cfg: Config, measured: Measured) -> dict[st
 
 def _bracketed(ctx: StageContext, cfg: Config, measured: Measured, keys: list[str]) -> dict[str, Any]:
     """Baseline, candidate, baseline, one model in memory at a time: the candidate measured so far is let go."""
-    from opus.kv.cache import cache_config_from_recipe, cache_factory
+    from opus.kv.cache import cache_factory
+    from opus.kv.choice import cache_config_from_recipe
     from opus.pipeline.state import load_base
     from opus.runtime.machine import recorded
     from opus.runtime.paired import measure_bracketed

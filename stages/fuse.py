@@ -199,7 +199,7 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     failures = _check(cfg.check, eq)
     metrics["fusion_check_passed"] = float(not failures)
     report = {
-        "patterns": outcome.patterns(), "ignored": outcome.ignored, "sites": step["sites"],
+        "patterns": outcome.patterns(), "ignored": outcome.ignored, "sites": step.sites,
         **{k: metrics[k] for k in sorted(metrics) if k.endswith(("_before", "_after"))},
         "regions_traced": {"before": before["regions"], "after": after["regions"]},
         "equivalence": {**eq, "prompts": source, "shape": list(reference_shape(reference)),

@@ -48,7 +48,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from opus.errors import InputError
-from opus.kv.cache import KV_CONFIG_FILE
+from opus.kv.choice import KV_CONFIG_FILE
 from opus.kv.kernel_choices import check_value, choice
 from opus.models.attention import LOSSY_KERNELS
 from opus.pipeline.context import StageContext, StageResult
@@ -275,12 +275,12 @@ def _replayed(path: Any, batches: list[int]) -> dict[int, list[dict[str, Any]]]:
     """Per batch size, the one cache the earlier run's kv_config.json chose there."""
     from opus.errors import InputError
     from opus.kv.cache import cache_for_batch
+    from opus.kv.choice import read_kv_report
 
-    report = json.loads(path.read_text())
-    winners, chosen = report.get("winners") or {}, report.get("chosen")
+    report = read_kv_report(path)
     out = {}
     for batch in batches:  # a batch size the earlier run did not measure: what its recipe ran there
-        cache = winners.get(str(batch)) or (cache_for_batch(chosen, batch) if chosen else None)
+        cache = report.winners.get(str(batch)) or cache_for_batch(report.chosen, batch)
         if cache is None:
             raise InputError(f"run.decisions_from: no KV cache chosen for batch {batch} to replay", file=str(path))
         out[batch] = [cache]
@@ -368,7 +368,7 @@ def _same_tokens(model: Any, row: dict[str, Any], input_len: int, output_len: in
 def run(ctx: StageContext, cfg: Config) -> StageResult:
     import torch
 
-    from opus.kv.cache import kv_cache_step
+    from opus.kv.choice import KVConfigReport, KVSizing, KVWorkload, kv_cache_step
     from opus.kv.compiled_steps import compile_notes
     from opus.kv.sizing import kv_bytes_per_token, memory_budget
     from opus.runtime.data import random_blocks
@@ -428,10 +428,9 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     checked = {json.dumps(r["cache"], sort_keys=True): r for r in winners.values() if r["cache"]["kind"] != "growing"}
     match = min((_same_tokens(model, r, input_len, output_len, vocab_size(model), cfg.seed)
                  for r in checked.values()), default=1.0)
-    sizing = {"kv_bytes_per_token": per_token, "memory_budget_mb": budget / MB, "context": context,
-              "max_context": max_ctx, "max_batch": best["max_batch"], "batch_size": best["batch_size"]}
-    step = kv_cache_step(chosen)
-    step["sizing"] = sizing  # informational: cache_config_from_recipe reads only "cache"
+    sizing = KVSizing(kv_bytes_per_token=per_token, memory_budget_mb=budget / MB, context=context,
+                      max_context=max_ctx, max_batch=best["max_batch"], batch_size=best["batch_size"])
+    step = kv_cache_step(chosen, sizing)  # the sizing is what opus serve sizes its pool from by default
     metrics: dict[str, Any] = {
         "kv_throughput_tok_s": best["throughput_tok_s"], "kv_peak_mem_mb": best.get("peak_mem_mb"),
         "kv_max_batch": best["max_batch"], "kv_batch_size": best["batch_size"], "kv_bytes_per_token": per_token,
@@ -449,11 +448,10 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     notes = compile_notes()
     for note in notes:
         ctx.log(note)
-    ctx.write_artifact(KV_CONFIG_FILE, {"chosen": chosen, "sizing": sizing, "candidates": rows,
-                                          "unavailable": unavailable,
-                                          "winners": {str(b): r["cache"] for b, r in winners.items()},
-                                          "notes": notes, "kv_fidelity": fidelity,
-                                          "workload": {"input_len": input_len, "output_len": output_len,
-                                                       "batch_sizes": batches, "rounds": rounds}})
+    report = KVConfigReport(chosen=chosen, sizing=sizing, candidates=rows, unavailable=unavailable,
+                            winners={str(b): r["cache"] for b, r in winners.items()}, notes=notes,
+                            kv_fidelity=fidelity, workload=KVWorkload(input_len=input_len, output_len=output_len,
+                                                                      batch_sizes=batches, rounds=rounds))
+    ctx.write_artifact(KV_CONFIG_FILE, report.model_dump(mode="json"))
     write_decisions(ctx, decisions)
     return StageResult(metrics=metrics, recipe=[step], info={"kv_cache": chosen})

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from opus.kv.cache import cache_config_from_recipe, cache_factory
+from opus.kv.cache import cache_factory
+from opus.kv.choice import cache_config_from_recipe
 from opus.pipeline.context import StageContext, StageResult
 from opus.runtime.engine import supports_cache
 from opus.runtime.profiling import (

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opus.errors import InputError
 from opus.pipeline.context import StageContext, StageResult
 from opus.pipeline.contracts import Failure
-from opus.quant.apply import quantize_model
+from opus.quant.apply import QuantizeStep, quantize_model
 from opus.quant.calibrate import CALIBRATION_FILE, ActivationStats
 from opus.quant.formats import is_noop, noop_name, promote
 from opus.quant.plan_file import PLAN_FILE, PlanDocument, read_plan
@@ -67,20 +67,20 @@ def run(ctx: StageContext, cfg: Config) -> StageResult:
     recipe, shared = [step], _share_embedding(ctx, cfg, model, step)
     if shared["shared"]:
         recipe.append(shared_embedding_step())
-    metrics: dict[str, Any] = {"quantized_layers": len(step["layers"]), "model_mb": model_mb(model)}
+    metrics: dict[str, Any] = {"quantized_layers": len(step.layers), "model_mb": model_mb(model)}
     if cfg.measure and ctx.spec.data.evaluation is not None:
         blocks = load_blocks(ctx.spec.data.evaluation, loaded.tokenizer, ctx.base_dir)
         metrics.update(evaluate_lm(model, blocks, progress=Progress(ctx.progress)))
     ctx.progress(2, 2, "quantized")
     return StageResult(metrics=metrics, model=model, recipe=recipe,
-                       info={"promoted": changes, "smoothing_alpha": step["smoothing_alpha"], "tied_embedding": shared})
+                       info={"promoted": changes, "smoothing_alpha": step.smoothing_alpha, "tied_embedding": shared})
 
 
-def _share_embedding(ctx: StageContext, cfg: Config, model: Any, step: dict[str, Any]) -> dict[str, Any]:
+def _share_embedding(ctx: StageContext, cfg: Config, model: Any, step: QuantizeStep) -> dict[str, Any]:
     """One table for a tied model's embedding and int8 lm_head (``opus.quant.tied``), where it can be."""
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return {"shared": False, "reason": "not tied"}
-    if HEAD not in step["layers"]:
+    if HEAD not in step.layers:
         return {"shared": False, "reason": "the lm_head stays float: it and the embedding share the float table"}
     why = why_not_shared(model) if cfg.share_tied_embedding else "share_tied_embedding is off"
     if why is None:

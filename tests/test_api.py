@@ -182,7 +182,7 @@ def test_load_a_run_without_export_gives_its_final_checkpoint(tmp_path: Path) ->
 
 def test_eager_load_runs_the_chosen_cache_without_compiling() -> None:
     from opus.api import LoadedModel
-    from opus.kv.cache import kv_cache_step
+    from opus.kv.choice import kv_cache_step
 
     static = {"kind": "static", "provider": "opus.kv.static", "compile": True, "slot_multiple": 128}
     state = {"recipe": [{"kind": "fuse"}, kv_cache_step(static)]}

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from opus.bench.core import BenchContext, Built, Contender, Unavailable
-from opus.kv.cache import cache_config_from_recipe, cache_factory, describe_cache
+from opus.kv.cache import cache_factory, describe_cache
+from opus.kv.choice import cache_config_from_recipe
 from opus.runtime.engine import full_logits, generate
 
 if TYPE_CHECKING:
@@ -132,9 +133,9 @@ def _uniform(fmt: str) -> Callable[[BenchContext], Built]:
         size = f", group size {ctx.group_size}" if found.uses_group_size else ""
         notes.insert(0, f"opus.quant {fmt} on {len(assignment)} linears{size}; routers and a tied lm_head stay "
                         "float32")
-        if step["smoothing_alpha"]:
-            alphas = sorted(set(step["smoothing_alpha"].values()))
-            notes.append(f"SmoothQuant on {len(step['smoothing_alpha'])} activations, alpha {alphas}")
+        if step.smoothing_alpha:
+            alphas = sorted(set(step.smoothing_alpha.values()))
+            notes.append(f"SmoothQuant on {len(step.smoothing_alpha)} activations, alpha {alphas}")
         elif found.acts_quantized:
             notes.append("activations quantized as they come, no smoothing")
         rows = getattr(found.module, "WEIGHT_ONLY_MAX_ROWS", None)  # a kernel that skips int8 activations

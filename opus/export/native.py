@@ -42,6 +42,7 @@ from opus.errors import InputError
 from opus.export.settings import ExportSettings, one_line
 from opus.export.targets import TargetOutcome
 from opus.models.saved_state import Materialized, apply_state, changed_tensors
+from opus.recipe import stored_recipe
 from opus.trust import loading
 
 EXPORT_FILE = "opus-export.json"
@@ -161,7 +162,7 @@ def export_model(model: nn.Module, tokenizer: Any, state: dict[str, Any], final:
             "source": _relative_source(s.source, s.base_dir, final), "base_dir": relative_path(s.base_dir, final),
             "model_files": model_files,
             "dtype": s.dtype, "device": s.device,
-            "state": {"recipe": list(state.get("recipe", [])), "tensors": TENSORS_FILE, "aliases": aliases},
+            "state": {"recipe": stored_recipe(state.get("recipe")), "tensors": TENSORS_FILE, "aliases": aliases},
             "onnx": info["targets"]["onnx"]["path"] if "onnx" in info["targets"] else None,
             "files": {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()},
             "metrics": metrics, "info": info,

@@ -46,6 +46,7 @@ from opus.export.settings import ExportSettings, one_line, opaque_call, vocab_si
 from opus.export.targets import TargetOutcome
 from opus.kv.cache import CacheBase
 from opus.models import decoder
+from opus.recipe import step_kind
 
 ONNX_DIR = "onnx"
 MODEL_FILE = "model.onnx"
@@ -314,7 +315,7 @@ def export_onnx(model: nn.Module, tokenizer: Any, state: dict[str, Any], out_dir
         metrics["onnx_file_mb"] = sum(p.stat().st_size for p in out.glob(f"{MODEL_FILE}*")) / 2**20
         info = {"onnx_providers": session.get_providers(), **onnx_check.methods(s),
                 "onnx_graph": f"KV cache in/out ({geo['num_layers']} layers), logits: {meta['logits']}",
-                "onnx_recipe": [st.get("kind") for st in (state or {}).get("recipe", [])]}
+                "onnx_recipe": [step_kind(st) for st in (state or {}).get("recipe", [])]}
         if dtype == torch.bfloat16:
             info["onnx_dtype"] = ("bfloat16 model: the graph computes in float32 from the bf16 weights (onnxruntime's "
                                   "CPU kernels have no bf16), so the parity figures also hold the bf16 rounding of "

@@ -12,9 +12,10 @@ import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 
 from opus.fusion import ops
@@ -24,12 +25,36 @@ from opus.fusion.measure import count_ops
 from opus.fusion.moe import GroupedMoE, group_moe, moe_reason
 from opus.fusion.patterns import FIND, PATTERNS, Site, rebuild
 from opus.fusion.tracing import Ignore, regions, replace_module, trace, try_trace
-from opus.recipe import register_transform
+from opus.recipe import RecipeStep, register_transform
 
 KIND = "fuse"
 FUSION_FILE = "fusion.json"  # the fuse stage's report: sites, ignored modules, compile choice
 FX_ORDER = ("linear_group", "silu_mul", "add_rmsnorm", "rmsnorm")
 STEP_VERSION = 1
+
+
+class FuseStep(RecipeStep):
+    """The fuse stage's recipe step: the sites rewritten (``Site.record``), the modules the ignore-list kept
+    out, the compile settings when compiling was kept, and the grouped MoE's mode per phase when chosen."""
+
+    kind: Literal["fuse"] = KIND
+    version: int = STEP_VERSION
+    sites: list[dict[str, Any]] = Field(default_factory=list)
+    ignored: list[dict[str, str]] = Field(default_factory=list)
+    compile: dict[str, Any] | None = None
+    experts: dict[str, str] | None = None  # absent in steps written before modes existed: the default modes
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _not_compiled(cls, value: Any) -> Any:
+        return None if value is False else value  # ``false``: not compiled, as some steps said it
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, version: int) -> int:
+        if version != STEP_VERSION:
+            raise ValueError(f"fuse step version {version} is not supported (this Opus: {STEP_VERSION})")
+        return version
 
 
 @dataclass
@@ -46,13 +71,11 @@ class FusionOutcome:
     skipped: list[Site]
     ignored: list[dict[str, str]]
 
-    def step(self, compile_cfg: dict[str, Any] | None = None,
-             experts: dict[str, str] | None = None) -> dict[str, Any]:
+    def step(self, compile_cfg: dict[str, Any] | None = None, experts: dict[str, str] | None = None) -> FuseStep:
         """The recipe step; ``experts`` (phase -> mode of the grouped MoE, ``opus.fusion.expert_modes``)
         only when chosen: steps without it replay the default modes, as written before modes existed."""
-        step = {"kind": KIND, "version": STEP_VERSION, "sites": [s.record() for s in self.sites],
-                        "ignored": self.ignored, "compile": compile_cfg}
-        return {**step, "experts": dict(experts)} if experts else step
+        return FuseStep(sites=[s.record() for s in self.sites], ignored=self.ignored, compile=compile_cfg,
+                        experts=dict(experts) if experts else None)
 
     def patterns(self) -> dict[str, dict[str, Any]]:
         """Per pattern: sites fused, skipped, and the reasons (each with a count and an example)."""
@@ -200,11 +223,9 @@ def fuse_model(model: nn.Module, cfg: FusionConfig, probe: Callable[[nn.Module],
     return FusionOutcome(state.model, state.sites, state.skipped, state.ignored)
 
 
-def apply_fusion(model: nn.Module, step: dict[str, Any]) -> nn.Module:
+def apply_fusion(model: nn.Module, step: FuseStep) -> nn.Module:
     """Replay a ``fuse`` recipe step: the same structure, built from the (base) weights at hand."""
-    if step.get("version", STEP_VERSION) != STEP_VERSION:
-        raise ValueError(f"fuse step version {step.get('version')} is not supported (this Opus: {STEP_VERSION})")
-    sites = [Site.from_record(r) for r in step.get("sites", [])]
+    sites = [Site.from_record(r) for r in step.sites]
     for site in (s for s in sites if s.pattern == "moe_grouped"):
         grouped = group_moe(model.get_submodule(site.region))
         if isinstance(grouped, str):
@@ -223,18 +244,18 @@ def apply_fusion(model: nn.Module, step: dict[str, Any]) -> nn.Module:
             model = replace_module(model, region, built)
     if by_region:
         raise ValueError(f"fuse step names regions this model does not have: {', '.join(sorted(by_region))}")
-    for note in apply_modes(model, step.get("experts")):  # e.g. grouped chosen on CUDA, loaded on a CPU
+    for note in apply_modes(model, step.experts):  # e.g. grouped chosen on CUDA, loaded on a CPU
         warnings.warn(f"fuse step: {note}", RuntimeWarning, stacklevel=2)
-    if step.get("compile"):
+    if step.compile:
         from opus.fusion.compiled import compile_model
 
-        compile_model(model, step["compile"])
+        compile_model(model, step.compile)
     return model.eval()
 
 
-@register_transform(KIND, provider_module="opus.fusion.rewrite")
-def _apply_fuse_step(model: nn.Module, step: dict[str, Any]) -> nn.Module:
+@register_transform(KIND, FuseStep, provider_module="opus.fusion.rewrite")
+def _apply_fuse_step(model: nn.Module, step: FuseStep) -> nn.Module:
     return apply_fusion(model, step)
 
 
-__all__ = ["FusionConfig", "FusionOutcome", "apply_fusion", "build_region", "fuse_model", "try_trace"]
+__all__ = ["FuseStep", "FusionConfig", "FusionOutcome", "apply_fusion", "build_region", "fuse_model", "try_trace"]

@@ -26,7 +26,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from opus.errors import InputError
-from opus.kv.cache import CacheFactory, GrowingKVCache, cache_config_from_recipe, cache_factory
+from opus.kv.cache import CacheFactory, GrowingKVCache, cache_factory
+from opus.kv.choice import cache_config_from_recipe
 from opus.made import load_made
 from opus.runtime.engine import Sampling, eos_ids, full_logits, generate, logits_of, model_device, supports_cache
 

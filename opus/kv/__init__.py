@@ -7,6 +7,6 @@ stage keys hash the code a stage reaches by import (opus.pipeline.code_reach), i
 stage key cover them: a new kind is its module plus its name here.
 """
 
-from opus.kv import cuda_graph, pool, static  # noqa: F401 - registers the kinds
+from opus.kv import choice, cuda_graph, pool, static  # noqa: F401 - registers the kinds (and the recipe step)
 
-__all__ = ["cuda_graph", "pool", "static"]
+__all__ = ["choice", "cuda_graph", "pool", "static"]

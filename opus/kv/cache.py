@@ -8,7 +8,7 @@ it (``build``), how many sequences fit a memory budget (``max_batch``), one line
 model (``unavailable``). ``opus/kv/__init__.py`` imports each such module, which both registers
 the kind and puts its code in every stage key (opus.pipeline.code_reach follows imports only).
 
-A recipe step ``{"kind": "kv_cache", "cache": {"kind": "name", ...}}`` (``kv_cache_step``) selects
+A recipe step ``{"kind": "kv_cache", "cache": {"kind": "name", ...}}`` (opus.kv.choice) selects
 the cache; the engine reads the last such step (``cache_config_from_recipe``). A config may name the
 module that registers its kind, ``{"kind": "name", "provider": "pkg.module"}``, so a kind from
 outside Opus is found by a fresh worker process too (old module paths resolve through opus.moved).
@@ -27,7 +27,6 @@ decoder reads them directly and never probes a cache with ``hasattr``.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -35,12 +34,9 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from opus import moved
-from opus.recipe import register_transform
 from opus.trust import UntrustedCode
 
 DEFAULT_KIND = "growing"
-RECIPE_KIND = "kv_cache"
-KV_CONFIG_FILE = "kv_config.json"  # the kv_config stage's report: candidates measured, the choice, sizing
 BY_BATCH = "by_batch"
 
 
@@ -427,26 +423,3 @@ def cache_factory(model: torch.nn.Module, config: dict[str, Any] | None = None) 
         return make_cache(config, model_config, batch_size, max_seq_len, device, dtype)
 
     return factory
-
-
-# -- the recipe ---------------------------------------------------------------------------------
-def kv_cache_step(config: dict[str, Any]) -> dict[str, Any]:
-    """The recipe step a kv_config stage appends: ``{"kind": "kv_cache", "cache": config}``."""
-    return {"kind": RECIPE_KIND, "cache": dict(config)}
-
-
-def cache_config_from_recipe(recipe: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """The cache config of the last ``kv_cache`` step, or None (the growing default)."""
-    steps = [s for s in recipe or [] if s.get("kind") == RECIPE_KIND]
-    return dict(steps[-1].get("cache") or {}) if steps else None
-
-
-@register_transform(RECIPE_KIND, provider_module="opus.kv.cache")
-def _apply_kv_cache_step(model: Any, step: dict[str, Any]) -> Any:
-    """A KV cache choice changes no weights: rebuilding a state checks the kind can be built, and says so
-    where the cache cannot run here as the run measured it (another CPU or device: it runs a fallback)."""
-    config = step.get("cache") or {}
-    if why := unavailable_for(model, config):
-        warnings.warn(f"the run's KV cache ({describe_cache(config)}) does not run here as it was measured: {why}",
-                      RuntimeWarning, stacklevel=2)
-    return model

@@ -18,6 +18,7 @@ from typing import Any
 from opus.pipeline.contracts import ARTIFACTS_SUBDIR, UpstreamView
 from opus.pipeline.spec import PipelineSpec
 from opus.pipeline.units import UnitStore, unit_scope, units_root
+from opus.recipe import RecipeStep
 
 
 @dataclass
@@ -31,7 +32,7 @@ class StageResult:
 
     metrics: dict[str, Any] = field(default_factory=dict)
     model: Any = None
-    recipe: list[dict[str, Any]] = field(default_factory=list)
+    recipe: list[RecipeStep | dict[str, Any]] = field(default_factory=list)  # opus.recipe: typed steps
     baseline: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     # What the stage did not do that a person would assume it did (an export target that failed, ...):

@@ -15,7 +15,7 @@ from typing import Any
 
 from opus.errors import InputError
 from opus.fusion.rewrite import FUSION_FILE
-from opus.kv.cache import KV_CONFIG_FILE
+from opus.kv.choice import KV_CONFIG_FILE
 from opus.pipeline.run_files import ARTIFACTS_DIR, find_artifact
 from opus.quant.plan_file import PLAN_FILE
 

@@ -25,6 +25,7 @@ from opus.pipeline.contracts import Job, ResultRecord, WorkerError
 from opus.pipeline.registry import load_stage_type
 from opus.pipeline.spec import load_pipeline
 from opus.pipeline.state import read_state
+from opus.recipe import stored_recipe
 
 EXIT_CRASH = 1
 EXIT_DISK = 4
@@ -71,14 +72,14 @@ def _finish(ctx: StageContext, job: Job, result: StageResult, started: float) ->
     if result.model is None:
         state = read_state(incoming, ctx.spec)
         # A recipe-only step (e.g. a KV cache choice) changes no tensor: keep the incoming ones.
-        state = {**state, "recipe": list(state["recipe"]) + list(result.recipe)}
+        state = {**state, "recipe": list(state["recipe"]) + stored_recipe(result.recipe)}
         write_checkpoint(ctx.out_dir, state=state, inherit_tensors_from=incoming, **common)
         return
     loaded = ctx._loaded
     marks = loaded.base_marks if loaded is not None else {}
     prior = loaded.state if loaded is not None else read_state(incoming, ctx.spec)
     tensors, aliases = changed_tensors(result.model, marks)
-    state = {"source": prior["source"], "recipe": list(prior["recipe"]) + list(result.recipe),
+    state = {"source": prior["source"], "recipe": list(prior["recipe"]) + stored_recipe(result.recipe),
              "aliases": aliases}
     write_checkpoint(ctx.out_dir, state=state, tensors=tensors, **common)
 

@@ -11,14 +11,14 @@ quantize stage measures its perplexity with it, and it can be turned off there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
 import torch
 from torch import nn
 
 from opus.models.layout import DECODER
 from opus.quant.modules import Int8WeightLinear
-from opus.recipe import register_transform
+from opus.recipe import RecipeStep, register_transform
 
 RECIPE_KIND = "shared_embedding"
 EMBEDDING, HEAD = DECODER.embedding, DECODER.lm_head
@@ -94,12 +94,21 @@ def share_embedding(model: nn.Module) -> nn.Module:
     return model
 
 
-def shared_embedding_step() -> dict[str, Any]:
-    return {"kind": RECIPE_KIND, "version": 1, "embedding": EMBEDDING, "head": HEAD}
+class SharedEmbeddingStep(RecipeStep):
+    """The embedding is a lookup into the int8 lm_head (which the quantize step before it rebuilt)."""
+
+    kind: Literal["shared_embedding"] = RECIPE_KIND
+    version: Literal[1] = 1
+    embedding: str = EMBEDDING
+    head: str = HEAD
 
 
-@register_transform(RECIPE_KIND)
-def rebuild(model: nn.Module, step: dict[str, Any]) -> nn.Module:
+def shared_embedding_step() -> SharedEmbeddingStep:
+    return SharedEmbeddingStep()
+
+
+@register_transform(RECIPE_KIND, SharedEmbeddingStep)
+def rebuild(model: nn.Module, step: SharedEmbeddingStep) -> nn.Module:
     """After the quantize step rebuilt the (empty) int8 head: the lookup into it; the head's tensors load next."""
     if _int8_head(model) is None:
         raise ValueError("recipe step shared_embedding: the lm_head is not int8 per output row")

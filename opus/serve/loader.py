@@ -1,7 +1,7 @@
 """From a run or export directory to a running engine: the model, its KV pool, its limits.
 
 The KV budget and the decode compilation come from the run's own choices: the kv_config stage's
-recipe step (``{"kind": "kv_cache", "cache": ..., "sizing": {"memory_budget_mb": ...}}``) gives the
+recipe step (opus.kv.choice.KVCacheStep: the cache and the sizing it was chosen under) gives the
 memory the run gave caches, and a ``static`` (or ``cuda_graph``) cache with ``compile`` true means
 the run decodes through compiled static-shape steps, which the server does too.
 """
@@ -56,13 +56,10 @@ class Served:
                 f"(buckets {', '.join(map(str, e.steps.buckets))})")
 
 
-def run_sizing(state: dict[str, Any]) -> dict[str, Any]:
-    steps = [s for s in state.get("recipe") or [] if s.get("kind") == "kv_cache"]
-    return dict(steps[-1].get("sizing") or {}) if steps else {}
 
 
 def load_served(path: Path, settings: ServeSettings, name: str | None = None, trust_code: bool = False) -> Served:
-    from opus.kv.cache import cache_config_from_recipe
+    from opus.kv.choice import cache_config_from_recipe, sizing_from_recipe
     from opus.made import load_made
     from opus.models.decoder import DecoderLM
     from opus.runtime.engine import eos_ids
@@ -76,18 +73,18 @@ def load_served(path: Path, settings: ServeSettings, name: str | None = None, tr
         raise InputError("the model has no tokenizer: a server needs one to read prompts", file=str(path))
     model.eval()
     cfg = model.config
-    sizing = run_sizing(loaded.state)
+    sizing = sizing_from_recipe(loaded.state.get("recipe"))
     if settings.kv_budget_mb:
         budget_mb, source = settings.kv_budget_mb, "--kv-budget-mb"
-    elif sizing.get("memory_budget_mb"):
-        budget_mb, source = float(sizing["memory_budget_mb"]), "the run's kv_config budget"
+    elif sizing is not None:
+        budget_mb, source = sizing.memory_budget_mb, "the run's kv_config budget"
     else:
         budget_mb, source = memory_budget(0.25) / MB, "a quarter of the memory available"
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     limits = [cfg.max_position_embeddings, *([cfg.sliding_window] if cfg.sliding_window else [])]
-    if sizing.get("max_context"):
-        limits.append(int(sizing["max_context"]))
+    if sizing is not None:
+        limits.append(sizing.max_context)
     per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype)
     # More than every row at the full context is never used (the rest would only hold cached prefixes).
     most = settings.max_batch * min(limits) * per_token / MB

@@ -59,7 +59,7 @@ def kv_only_run(pipeline: Path, run: Path) -> Path:
     """``run``: a finished run of ``pipeline`` whose one kept stage, ``kv``, chose the growing cache, its
     checkpoint written by the runner's own writer (state, result, manifest)."""
     from opus.atomic import write_json
-    from opus.kv.cache import kv_cache_step
+    from opus.kv.choice import kv_cache_step
     from opus.pipeline.checkpoint import write_checkpoint
     from opus.pipeline.contracts import ResultRecord
 
@@ -68,7 +68,7 @@ def kv_only_run(pipeline: Path, run: Path) -> Path:
     write_json(run / "run.json", {"run_id": run.name, "base_dir": str(pipeline.parent), "name": "tinybench",
                                   "starts": [1.0], "pipeline": str(pipeline)})
     (run / "pipeline.yaml").write_text(pipeline.read_text())
-    state = {"source": {"hf": "model"}, "recipe": [kv_cache_step({"kind": "growing"})], "tensors": None,
+    state = {"source": {"hf": "model"}, "recipe": [kv_cache_step({"kind": "growing"}).as_json()], "tensors": None,
              "aliases": {}}
     write_checkpoint(stage, key="kv", stage_id="kv", uses="kv_config", state=state, result=ResultRecord())
     write_json(run / "summary.json", {"status": "finished", "stages": [

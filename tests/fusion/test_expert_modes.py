@@ -165,7 +165,7 @@ def test_choice_is_measured_per_phase_and_replays() -> None:
     assert choice.modes == {"prefill": choice.decisions[0].winner, "decode": choice.decisions[1].winner}
     assert all(m.modes == choice.modes for _, m in grouped_moes(outcome.model))
     step = outcome.step(None, choice.modes)
-    assert step["experts"] == choice.modes
+    assert step.experts == choice.modes
     rebuilt = apply_fusion(tiny_lm("mixtral", seed=5), step)
     rebuilt.load_state_dict(outcome.model.state_dict())
     assert all(m.modes == choice.modes for _, m in grouped_moes(rebuilt))
@@ -177,7 +177,7 @@ def test_choice_is_measured_per_phase_and_replays() -> None:
 
 def test_old_steps_run_the_default_and_unrunnable_modes_warn(monkeypatch) -> None:
     outcome = fuse_model(tiny_lm("mixtral"), FusionConfig(patterns=["moe_grouped"]), lm_probe(prompts()[:1, :8]))
-    assert "experts" not in outcome.step()  # nothing chosen: the step is the one written before modes
+    assert outcome.step().experts is None  # nothing chosen: the step is the one written before modes
     rebuilt = apply_fusion(tiny_lm("mixtral"), outcome.step())
     assert all(m.modes == {"prefill": "sorted", "decode": "sorted"} for _, m in grouped_moes(rebuilt))
     monkeypatch.setitem(linear_ops._GROUPED_OK, ("cpu", torch.float32), False)

@@ -52,7 +52,7 @@ def test_checkpoint_round_trip_through_materialize(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     save_file(tensors, str(ckpt / TENSORS_FILE))
-    state = {"source": loaded.spec.model.source(), "recipe": [outcome.step()], "tensors": TENSORS_FILE,
+    state = {"source": loaded.spec.model.source(), "recipe": [outcome.step().as_json()], "tensors": TENSORS_FILE,
              "aliases": aliases}
     (ckpt / STATE_FILE).write_text(json.dumps(state))
     again = materialize(ckpt, loaded.spec, loaded.base_dir).model

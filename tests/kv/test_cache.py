@@ -13,12 +13,11 @@ from opus.kv import cache as kvcache
 from opus.kv.cache import (
     GrowingKVCache,
     KVCache,
-    cache_config_from_recipe,
     cache_factory,
-    kv_cache_step,
     make_cache,
     register_cache,
 )
+from opus.kv.choice import cache_config_from_recipe, kv_cache_step
 from opus.models import DecoderLM, ModelConfig
 from opus.recipe import apply_step
 from opus.runtime.engine import generate

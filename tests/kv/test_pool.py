@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from opus.kv.cache import cache_config_from_recipe, cache_factory, kv_cache_step, make_cache
+from opus.kv.cache import cache_factory, make_cache
+from opus.kv.choice import cache_config_from_recipe, kv_cache_step
 from opus.kv.pool import (
     BlockPool,
     PooledKVCache,

@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from opus.atomic import read_json
-from opus.kv.cache import cache_config_from_recipe, cache_factory
+from opus.kv.cache import cache_factory
+from opus.kv.choice import cache_config_from_recipe
 from opus.models import load_model
 from opus.models.saved_state import apply_state
 from opus.runtime.engine import full_logits, generate

@@ -86,7 +86,7 @@ def test_apply_quantizes_with_it_and_the_recipe_rebuilds_it(w6a16: Format) -> No
     assignment, skipped = uniform_assignment(model, "w6a16")
     assert assignment and not skipped
     step = quantize_model(model, assignment, None)
-    assert {spec["format"] for spec in step["layers"].values()} == {"w6a16"}
+    assert {layer.format for layer in step.layers.values()} == {"w6a16"}
     assert all(is_quantized(model.get_submodule(name)) for name in assignment)
     out = model(data)
     assert 0 < float((out - ref).norm() / ref.norm()) < 0.2  # 6-bit weights in every linear, two layers

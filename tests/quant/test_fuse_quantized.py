@@ -45,7 +45,7 @@ def test_fusion_merges_quantized_qkv_and_replays_from_recipe() -> None:
     assert torch.allclose(fused(data), ref, atol=1e-5)
     # Per layer: one qkv and one gate_up int8 layer remain, each a single GEMM.
     assert sum(type(m).__name__ == "Int8DynamicLinear" for m in fused.modules()) == 2 * 2
-    rebuilt = apply_fusion(rebuild(tiny_decoder("llama"), step), outcome.step(False))
+    rebuilt = apply_fusion(rebuild(tiny_decoder("llama"), step), outcome.step(None))
     rebuilt.load_state_dict(fused.state_dict())
     assert torch.allclose(rebuilt(data), ref, atol=1e-5)
 
@@ -67,7 +67,7 @@ def test_quantized_experts_are_grouped_and_replay_from_recipe(fmt: str) -> None:
     assert isinstance(moe, GroupedMoE) and isinstance(moe.experts.gate_up, StackedQuantLinear)
     assert moe.experts.gate_up.experts[0].fmt == fmt and moe.experts.down.experts[0].fmt == fmt
     assert torch.allclose(outcome.model(data), ref, atol=1e-5)
-    rebuilt = apply_fusion(rebuild(tiny_decoder("mixtral"), step), outcome.step(False))
+    rebuilt = apply_fusion(rebuild(tiny_decoder("mixtral"), step), outcome.step(None))
     rebuilt.load_state_dict(outcome.model.state_dict())
     assert torch.equal(rebuilt(data), outcome.model(data))
 
@@ -82,7 +82,7 @@ def test_fused_quantized_moe_exports_with_parity(tmp_path) -> None:  # noqa: ANN
     step = quantize_model(model, {n: "w8a8" for n in names}, None)
     outcome = fuse_model(model, FusionConfig(patterns=["moe_grouped"]), lm_probe(blocks(2, 16)))
     assert outcome.patterns()["moe_grouped"]["fused"] == 2
-    metrics, info = export_model(outcome.model, None, {"recipe": [step, outcome.step(False)]}, tmp_path / "x",
+    metrics, info = export_model(outcome.model, None, {"recipe": [step, outcome.step(None)]}, tmp_path / "x",
                                  _settings({"factory": "tests.quant.tiny:tiny_decoder", "args": {"family": "mixtral"}},
                                            hf=False, gguf=False))
     assert info["targets"]["onnx"]["exported"], info["targets"]["onnx"]["reason"]

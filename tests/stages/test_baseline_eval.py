@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opus.atomic import write_json
-from opus.kv.cache import kv_cache_step
+from opus.kv.choice import kv_cache_step
 from opus.pipeline.context import StageContext
 from opus.pipeline.contracts import UpstreamView
 from opus.pipeline.preflight import undeclared_metrics
@@ -175,7 +175,7 @@ def test_eval_uses_the_kv_cache_the_recipe_chose(project, tmp_path, monkeypatch)
     incoming = tmp_path / "incoming"
     incoming.mkdir()
     state = base_state(ctx.spec)
-    state["recipe"] = [kv_cache_step({"kind": "counting", "provider": "counting_cache"})]
+    state["recipe"] = [kv_cache_step({"kind": "counting", "provider": "counting_cache"}).as_json()]
     write_json(incoming / STATE_FILE, state)
     ctx.incoming = incoming
     result = eval_stage.run(ctx, eval_stage.Config(ttft=False, quality=False))

@@ -29,7 +29,7 @@ def test_fuse_stage_reports_and_records(pipeline, tmp_path):
     assert m["ops_prefill_after"] + m["ops_decode_after"] == m["ops_after"]
     assert m["sites_fused"] > 0 and m["regions_ignored"] == 0
     assert not undeclared_metrics(fuse, m)  # what gates are checked against before a run
-    assert [s["kind"] for s in result.recipe] == ["fuse"]
+    assert [s.kind for s in result.recipe] == ["fuse"]
     assert isinstance(result.model.model.layers[0].mlp, GroupedMoE)
     report = json.loads((tmp_path / "out" / "artifacts" / "fusion.json").read_text())
     assert set(report["patterns"]) == set(PATTERNS) == set(fuse.ALL_PATTERNS)
@@ -66,7 +66,7 @@ def test_compile_choice_is_a_recorded_decision_and_replays(pipeline, tmp_path):
     ctx.spec.run.decisions_from = str(tmp_path / "earlier")
     again = fuse.run(ctx, cfg)
     assert again.metrics["compile_kept"] == 1.0 and "decode_ms_eager" not in again.metrics
-    assert again.recipe[0]["compile"] == settings
+    assert again.recipe[0].compile == settings
     (replayed,) = json.loads((tmp_path / "again" / "artifacts" / "decisions.json").read_text())["decisions"]
     assert replayed["winner"] == "compiled" and replayed["replayed_from"] == run_relative(str(earlier / "fusion.json"))
 

@@ -37,7 +37,7 @@ def test_modes_are_measured_recorded_and_replayed(pipeline, tmp_path):
         assert [c["name"] for c in decision["candidates"]] == list(EXPERT_MODES)
         assert {len(c["rounds"]) for c in decision["candidates"]} in ({2}, {4})  # 4: measured once more (choose)
     modes = {"prefill": decisions[0]["winner"], "decode": decisions[1]["winner"]}
-    assert record["modes"] == modes and result.recipe[0]["experts"] == modes
+    assert record["modes"] == modes and result.recipe[0].experts == modes
     assert all(m.modes == modes for _, m in grouped_moes(result.model))
     assert result.metrics["fusion_exact_match"] == 1.0  # checked with the chosen modes in place
     # run.decisions_from: the earlier run's modes, nothing timed.
@@ -48,7 +48,7 @@ def test_modes_are_measured_recorded_and_replayed(pipeline, tmp_path):
     ctx = context(pipeline, tmp_path / "again", "fuse")
     ctx.spec.run.decisions_from = str(tmp_path / "earlier")
     again = fuse.run(ctx, CFG)
-    assert again.recipe[0]["experts"] == chosen
+    assert again.recipe[0].experts == chosen
     replayed = _artifact(tmp_path / "again", "decisions.json")["decisions"]
     assert [d["winner"] for d in replayed] == ["grouped", "dense"]
     assert all(d["replayed_from"] == run_relative(str(earlier / "fusion.json")) for d in replayed)
@@ -61,12 +61,12 @@ def test_a_mode_that_cannot_run_is_reported_with_the_reason(pipeline, tmp_path, 
     record = _artifact(tmp_path / "out", "fusion.json")["experts"]
     assert record["runnable"] == ["sorted", "dense", "compiled"]
     assert record["unavailable"] == {"grouped": "model.layers.0.mlp: torch._grouped_mm needs CUDA here"}
-    assert set(result.recipe[0]["experts"].values()) <= {"sorted", "dense", "compiled"}
+    assert set(result.recipe[0].experts.values()) <= {"sorted", "dense", "compiled"}
 
 
 def test_switched_off_the_step_is_as_before(pipeline, tmp_path):
     cfg = CFG.model_copy(update={"experts": fuse.Experts(choose=False)})
     result = fuse.run(context(pipeline, tmp_path / "out", "fuse"), cfg)
-    assert "experts" not in result.recipe[0]
+    assert result.recipe[0].experts is None
     assert _artifact(tmp_path / "out", "fusion.json")["experts"] is None
     assert not (tmp_path / "out" / "artifacts" / "decisions.json").exists()

@@ -9,7 +9,8 @@ import torch
 from fusion_project import context, make_project
 
 from opus.fusion import GroupedMoE
-from opus.kv.cache import cache_config_from_recipe, make_cache
+from opus.kv.cache import make_cache
+from opus.kv.choice import cache_config_from_recipe
 from opus.models import ModelConfig
 from opus.pipeline.preflight import undeclared_metrics
 from opus.pipeline.spec import load_pipeline
@@ -32,8 +33,8 @@ def test_measures_candidates_and_records_the_decision_at_each_batch_size(tmp_pat
     assert result.model is None and len(result.recipe) == 1
     step = result.recipe[0]
     chosen = cache_config_from_recipe(result.recipe)
-    assert step["kind"] == "kv_cache" and chosen["kind"] in ("pooled", "growing", "static", "by_batch")
-    assert step["sizing"]["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # layers x KV heads x head dim x fp32
+    assert step.kind == "kv_cache" and chosen["kind"] in ("pooled", "growing", "static", "by_batch")
+    assert step.sizing.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4  # layers x KV heads x head dim x fp32
     report = json.loads((tmp_path / "out" / "artifacts" / "kv_config.json").read_text())
     # (2 pooled + growing + static with torch's attention and with the blocked kernels) x 2 batch sizes
     assert len(report["candidates"]) == 5 * 2
@@ -112,7 +113,10 @@ def test_an_earlier_runs_caches_are_replayed(tmp_path):
     earlier.mkdir(parents=True)
     growing, pooled = {"kind": "growing"}, {"kind": "pooled", "provider": "opus.kv.pool", "prealloc": 4, "step": 2,
                                              "max_context": 8192}
-    (earlier / "kv_config.json").write_text(json.dumps({"winners": {"1": growing, "2": pooled}}))
+    sizing = {"kv_bytes_per_token": 128, "memory_budget_mb": 64.0, "context": 12, "max_context": 8192,
+              "max_batch": 99, "batch_size": 2}
+    (earlier / "kv_config.json").write_text(json.dumps({"chosen": growing, "sizing": sizing,
+                                                        "winners": {"1": growing, "2": pooled}}))
     ctx = context(pipeline, tmp_path / "out", "kv")
     ctx.spec.run.decisions_from = str(tmp_path / "earlier")
     result = kv_config.run(ctx, kv_config.Config(**SMALL))
@@ -122,6 +126,21 @@ def test_an_earlier_runs_caches_are_replayed(tmp_path):
     assert cache_config_from_recipe(result.recipe)["kind"] == "by_batch"
     decisions = json.loads((tmp_path / "out" / "artifacts" / "decisions.json").read_text())["decisions"]
     assert all(d["replayed_from"] == run_relative(str(earlier / "kv_config.json")) for d in decisions)
+
+
+def test_an_earlier_report_that_is_not_one_is_named_in_one_line(tmp_path):
+    """run.decisions_from replays kv_config.json through its typed document: a field missing or mistyped
+    is the file and the field, never a KeyError mid-stage."""
+    from opus.errors import InputError
+
+    pipeline = make_project(tmp_path, [{"id": "kv", "uses": "kv_config"}], family="llama")
+    earlier = tmp_path / "earlier" / "artifacts" / "kv"
+    earlier.mkdir(parents=True)
+    (earlier / "kv_config.json").write_text(json.dumps({"winners": {"1": {"kind": "growing"}}}))
+    ctx = context(pipeline, tmp_path / "out", "kv")
+    ctx.spec.run.decisions_from = str(tmp_path / "earlier")
+    with pytest.raises(InputError, match=r"kv_config.json: chosen: Field required"):
+        kv_config.run(ctx, kv_config.Config(**SMALL))
 
 
 def test_budget_limits_the_batch(tmp_path):
