@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 EXIT_OK = 0
 EXIT_INVALID = 2
 EXIT_RUN_FAILED = 3
@@ -40,3 +42,13 @@ class RunFailed(OpusError):
     """The run stopped: a stage failed and its policy said abort, or it could not continue."""
 
     exit_code = EXIT_RUN_FAILED
+
+
+def first_complaint(exc: Any) -> tuple[str | None, str, bool]:
+    """The complaint of a pydantic ``ValidationError`` a person should read first, as (dotted key or None,
+    pydantic's message, whether the key is one the model does not have): a misspelt key comes before the
+    missing one it implies, since the misspelling is what the person typed."""
+    errors = exc.errors()
+    error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    key = ".".join(str(part) for part in error["loc"]) or None
+    return key, str(error["msg"]), error["type"] == "extra_forbidden"

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from opus import moved
+from opus.errors import first_complaint
 
 
 class RecipeStep(BaseModel):
@@ -68,9 +69,8 @@ def read_step(data: dict[str, Any] | RecipeStep) -> RecipeStep:
     try:
         return step_type.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the step"
-        raise ValueError(f"recipe step {kind!r}: {where}: {first['msg']}") from None
+        key, message, _ = first_complaint(error)
+        raise ValueError(f"recipe step {kind!r}: {key or 'the step'}: {message}") from None
 
 
 def step_kind(step: dict[str, Any] | RecipeStep) -> str | None:

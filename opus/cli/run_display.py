@@ -69,8 +69,6 @@ class RunDisplay:
         # Also on Ctrl-C: the live display must give the terminal back (cursor, no half-drawn bars).
         self._ticker.stop()
         self.progress.stop()
-        with self._lock:
-            self.run.running.clear()  # an interrupted stage is not running any more
 
     # -- the runner's calls ----------------------------------------------------------------
     def begin(self, stage_ids: list[str]) -> None:

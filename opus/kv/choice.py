@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from opus.errors import InputError
+from opus.errors import InputError, first_complaint
 from opus.kv.cache import describe_cache, unavailable_for
 from opus.recipe import RecipeStep, register_transform, steps_of
 
@@ -110,9 +110,8 @@ def read_kv_report(path: Path) -> KVConfigReport:
     try:
         report = KVConfigReport.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "the report"
-        raise InputError(f"{where}: {first['msg']}", file=str(path)) from None
+        key, message, _ = first_complaint(error)
+        raise InputError(f"{key or 'the report'}: {message}", file=str(path)) from None
     if report.version != REPORT_VERSION:
         raise InputError(f"version {report.version} of the KV cache report is not one this Opus reads "
                          f"({REPORT_VERSION})", file=str(path))

@@ -28,7 +28,7 @@ def _no_phase(value: Any) -> frozenset[str]:
     return frozenset()
 
 
-def _always(model: nn.Module, value: Any) -> str | None:
+def _never_unavailable(model: nn.Module, value: Any) -> str | None:
     return None
 
 
@@ -47,7 +47,7 @@ class KernelChoice:
     # The phases a value names: a value that names the prefill is raced only with the prefill compiled.
     names_phases: Callable[[Any], frozenset[str]] = _no_phase
     # Why a value cannot run on this model here (beyond having no layer it applies to), or None.
-    unavailable: Callable[[nn.Module, Any], str | None] = field(default=_always)
+    unavailable: Callable[[nn.Module, Any], str | None] = field(default=_never_unavailable)
 
     def reason(self, model: nn.Module, value: Any) -> str | None:
         """Why ``model`` cannot be raced with ``value``, or None."""

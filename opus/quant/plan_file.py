@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from opus.errors import InputError
+from opus.errors import InputError, first_complaint
 from opus.quant.formats import FORMATS, known
 
 PLAN_FILE = "plan.yaml"
@@ -84,13 +84,8 @@ def plan_from_data(data: Any, file: str | None = None) -> PlanDocument:
     try:
         return PlanDocument.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors()
-        # A misspelt key is also a missing one: name the misspelling, which is what the person typed.
-        error = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
-        key = ".".join(str(p) for p in error["loc"]) or None
-        message = str(error["msg"]).removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            message = "not a field of a plan"
+        key, message, unknown = first_complaint(exc)
+        message = "not a field of a plan" if unknown else message.removeprefix("Value error, ")
         raise InputError(message, file=file, key=key) from None
 
 
